@@ -1,0 +1,1 @@
+"""agentkv.benchmarks: reproducible measurements; results under benchmarks/results/."""

@@ -1,0 +1,1 @@
+"""agentkv.compaction: context management over OpenAI chat message lists."""

@@ -1,0 +1,1 @@
+"""agentkv server: OpenAI-compatible front, sessions, vLLM launch."""

@@ -1,0 +1,61 @@
+"""The FastAPI app: wiring only (lifespan, error handlers, routers, /health, /metrics)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from .config import ServeConfig
+from .deps import Authorized, SupervisorDep
+from .errors import install_error_handlers
+from .metrics import LATENCY, REQUESTS, render
+from .routes_openai import router as openai_router
+from .supervisor import Supervisor
+
+
+def create_app(cfg: ServeConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.supervisor.start()
+        yield
+        await app.state.supervisor.stop()
+
+    app = FastAPI(title="agentkv", version="0.1.0", lifespan=lifespan)
+    app.state.cfg = cfg
+    app.state.supervisor = Supervisor(cfg)
+    install_error_handlers(app)
+    app.include_router(openai_router)
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next):
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        REQUESTS.labels(path, str(response.status_code)).inc()
+        LATENCY.labels(path).observe(time.perf_counter() - t0)
+        return response
+
+    @app.get("/health")
+    async def health(sup: SupervisorDep) -> Response:
+        ok = sup.healthy()
+        body = {"status": "ok" if ok else sup.state.value, "model": cfg.model_name}
+        if sup.error:
+            body["error"] = sup.error
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics", dependencies=[Authorized])
+    async def metrics(sup: SupervisorDep) -> Response:
+        engine_text = ""
+        if sup.healthy() and sup.client is not None:
+            try:
+                _, engine_text = await sup.client.get_text("/metrics")
+            except httpx.TransportError:
+                engine_text = ""
+        return Response(render(engine_text), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

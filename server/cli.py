@@ -1,0 +1,100 @@
+"""`agentkv` command line. `serve` flags are derived from ServeConfig's fields (one source of truth)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from .config import ServeConfig
+
+
+def _flag_type(annotation) -> tuple[type, dict]:
+    """argparse type/options for a field annotation (Optional stripped)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is typing.Literal:
+        return str, {"choices": list(typing.get_args(annotation))}
+    if annotation is bool:
+        return bool, {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(annotation) is tuple:
+        return str, {"action": "append", "metavar": "ARG"}
+    return annotation, {}
+
+
+def add_config_flags(parser: argparse.ArgumentParser, model: type[ServeConfig]) -> None:
+    for name, field in model.model_fields.items():
+        kind, extra = _flag_type(field.annotation)
+        shown = field.default not in (None, ())
+        help_text = field.description + (f" (default: {field.default})" if shown else "")
+        flag = "--" + name.replace("_", "-")
+        if name == "engine_args":
+            flag, help_text = "--engine-arg", "extra argument passed to vLLM; repeat for more"
+        if "action" not in extra:
+            extra["type"] = kind
+        parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=help_text, **extra)
+
+
+def _config_from(ns: argparse.Namespace) -> ServeConfig:
+    values = {k: v for k, v in vars(ns).items() if k in ServeConfig.model_fields}
+    if "tool_call_parser" in values and not values["tool_call_parser"]:
+        values["tool_call_parser"] = None
+    return ServeConfig(**values)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+
+    cfg = _config_from(ns)
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                timeout_graceful_shutdown=30)
+    return 0
+
+
+def cmd_model_build(ns: argparse.Namespace) -> int:
+    from .embedded_model import TinyModelSpec, build_model
+    from .supervisor import embedded_model_dir
+
+    spec = TinyModelSpec(layers=ns.layers)
+    out = Path(ns.out) if ns.out else embedded_model_dir(spec)
+    build_model(out, spec, force=ns.force)
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible server on vLLM")
+    add_config_flags(serve, ServeConfig)
+    serve.set_defaults(func=cmd_serve)
+
+    model = sub.add_parser("model", help="the embedded model").add_subparsers(dest="model_cmd", required=True)
+    build = model.add_parser("build", help="build the embedded tiny model (deterministic)")
+    build.add_argument("--layers", type=int, default=2, help="transformer layers (default: 2)")
+    build.add_argument("--out", help="output directory (default: under $AGENTKV_HOME/models)")
+    build.add_argument("--force", action="store_true", help="rebuild even if present")
+    build.set_defaults(func=cmd_model_build)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return ns.func(ns)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        parser.exit(2, f"agentkv: error: --{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}\n")
+    except ValueError as exc:
+        parser.exit(2, f"agentkv: error: {exc}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Server configuration: the one source of truth for defaults. CLI flags are derived from it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+EMBEDDED_MODEL_NAME = "agentkv-tiny"
+
+
+def agentkv_home() -> Path:
+    """Where built models and session data live (``$AGENTKV_HOME``, default ``~/.cache/agentkv``)."""
+    return Path(os.environ.get("AGENTKV_HOME") or Path.home() / ".cache" / "agentkv")
+
+
+class ServeConfig(BaseModel):
+    """Everything `agentkv serve` needs. Each field is a `--flag` of the same name."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(None, description="HF model id or local path; default: the embedded tiny model")
+    host: str = Field("127.0.0.1", description="address the OpenAI-compatible API binds to")
+    port: int = Field(8000, ge=0, le=65535, description="port of the API (0: pick a free one)")
+    max_model_len: int | None = Field(None, gt=0, description="context window; default: the model's")
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' on every route but /health")
+    served_model_name: str | None = Field(None, description="model name clients use; default: --model or agentkv-tiny")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where vLLM runs; auto: cuda if a GPU is visible")
+    tool_call_parser: str | None = Field("hermes", description="vLLM tool-call parser for the model ('' to disable)")
+    dtype: str = Field("auto", description="weights/activation dtype (auto: float32 on CPU, model's on GPU)")
+    kv_cache_gib: int = Field(1, ge=1, description="CPU only: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU only: fraction of GPU memory vLLM may use")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism (GPUs per replica)")
+    pipeline_parallel_size: int = Field(1, ge=1, description="vLLM pipeline parallelism (Ray for multi-node)")
+    enforce_eager: bool | None = Field(None, description="disable graph capture (default: on for CPU, off for GPU)")
+    engine_startup_timeout_s: float = Field(900.0, gt=0, description="seconds to wait for vLLM to become healthy")
+    engine_args: tuple[str, ...] = Field((), description="extra arguments passed verbatim to vLLM")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+
+    @field_validator("host")
+    @classmethod
+    def _host_not_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("host must not be empty")
+        return v
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model or EMBEDDED_MODEL_NAME

@@ -1,0 +1,103 @@
+"""Build the embedded default model: a tiny random-weight Llama with a locally trained tokenizer.
+
+Real architecture, real vLLM code path, no download. Fixed seed: the same files, byte for byte,
+on every build (``manifest.json`` lists their SHA-256).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .tokenizer import train_tokenizer
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True, slots=True)
+class TinyModelSpec:
+    """Shape of the embedded model. head_dim must be one the vLLM CPU attention backend supports."""
+
+    layers: int = 2
+    hidden_size: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    vocab_size: int = 2048
+    max_position_embeddings: int = 32768
+    rope_theta: float = 10000.0
+    initializer_range: float = 0.08
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.layers < 1:
+            raise ValueError("layers must be >= 1")
+        if self.heads % self.kv_heads:
+            raise ValueError("heads must be a multiple of kv_heads")
+
+    @property
+    def name(self) -> str:
+        return f"agentkv-tiny-{self.layers}l"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write(spec: TinyModelSpec, out: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = train_tokenizer(spec.vocab_size, spec.seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_theta=spec.rope_theta,
+        initializer_range=spec.initializer_range,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.do_sample = False
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "agentkv_spec.json").write_text(json.dumps(asdict(spec), indent=2, sort_keys=True) + "\n")
+    files = sorted(p for p in out.iterdir() if p.is_file())
+    manifest = {p.name: _sha256(p) for p in files}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def is_built(out: Path) -> bool:
+    return (out / MANIFEST).is_file()
+
+
+def build_model(out: Path, spec: TinyModelSpec = TinyModelSpec(), force: bool = False) -> Path:
+    """Write the model to ``out`` (atomically: a half-built directory is never left behind)."""
+    out = Path(out)
+    if is_built(out) and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=out.parent))
+    try:
+        _write(spec, tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

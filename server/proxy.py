@@ -1,0 +1,69 @@
+"""HTTP client to the vLLM child: JSON calls, streamed calls, and errors mapped to OpenAI bodies."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from .errors import error_body, error_response
+
+
+def _json_of(r: httpx.Response) -> tuple[int, Any]:
+    try:
+        return r.status_code, r.json()
+    except ValueError:
+        return r.status_code, error_body(r.status_code, r.text or "engine returned no body")
+
+
+class EngineClient:
+    """Talks to one engine at ``base_url`` with its secret. One connection pool for the front."""
+
+    def __init__(self, base_url: str, secret: str):
+        self.base_url = base_url
+        self._http = httpx.AsyncClient(
+            base_url=base_url, headers={"Authorization": f"Bearer {secret}"},
+            timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=30.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def get_text(self, path: str) -> tuple[int, str]:
+        r = await self._http.get(path)
+        return r.status_code, r.text
+
+    async def get_json(self, path: str) -> tuple[int, Any]:
+        return _json_of(await self._http.get(path))
+
+    async def post_json(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        return _json_of(await self._http.post(path, json=body))
+
+    async def post_stream(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        """Open a streamed POST; the caller must ``aclose()`` the response."""
+        return await self._http.send(self._http.build_request("POST", path, json=body), stream=True)
+
+
+def unavailable(exc: Exception) -> JSONResponse:
+    return error_response(503, f"the inference engine is unavailable: {exc.__class__.__name__}",
+                          code="engine_unavailable")
+
+
+async def relay_stream(resp: httpx.Response) -> Response:
+    """Relay a streamed engine response: SSE bytes as they come, or the engine's error as JSON."""
+    if resp.status_code != 200:
+        await resp.aread()
+        await resp.aclose()
+        status, payload = _json_of(resp)
+        return JSONResponse(payload, status_code=status)
+
+    async def body() -> AsyncIterator[bytes]:
+        async for chunk in resp.aiter_raw():
+            yield chunk
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"}, background=BackgroundTask(resp.aclose))

@@ -1,0 +1,97 @@
+"""Shared fixtures. `server` starts one real agentkv server (vLLM + embedded model) per test session."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+API_KEY = "sk-agentkv-test"
+STARTUP_TIMEOUT_S = 900
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    base_url: str
+    log_path: Path
+    home: Path
+    api_key: str = API_KEY
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def client(self, **kw):
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.base_url}/v1", api_key=kw.pop("api_key", self.api_key),
+                      max_retries=0, timeout=kw.pop("timeout", 300), **kw)
+
+    def stop(self, timeout: float = 60) -> int:
+        return stop_server(self, timeout)
+
+    def http(self, **kw) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {kw.pop('api_key', self.api_key)}"}
+        return httpx.Client(base_url=self.base_url, headers=headers, timeout=300, **kw)
+
+
+def start_server(home: Path, *extra: str) -> Server:
+    port = _free_port()
+    log_path = home / "server.log"
+    env = dict(os.environ, AGENTKV_HOME=str(home))
+    cmd = [sys.executable, "-m", "agentkv.server.cli", "serve", "--port", str(port),
+           "--api-key", API_KEY, *extra]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    server = Server(proc, f"http://127.0.0.1:{port}", log_path, home)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"agentkv serve exited with {proc.returncode}:\n{server.log_tail()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    stop_server(server)
+    raise RuntimeError(f"agentkv serve not healthy after {STARTUP_TIMEOUT_S} s:\n{server.log_tail()}")
+
+
+def stop_server(server: Server, timeout: float = 60) -> int:
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            server.proc.wait()
+    return server.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Server:
+    srv = start_server(tmp_path_factory.mktemp("agentkv-home"))
+    yield srv
+    stop_server(srv)
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked `last` (they stop the shared server) run after all others."""
+    items.sort(key=lambda item: item.get_closest_marker("last") is not None)

@@ -1,0 +1,62 @@
+"""CLI flags derive from ServeConfig; bad values are a CLI message, not a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from agentkv.server.cli import build_parser
+from agentkv.server.config import ServeConfig
+from agentkv.server.engine import EngineProcess
+
+
+def _serve_flags() -> set[str]:
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    return {opt for a in serve._actions for opt in a.option_strings}
+
+
+def test_every_config_field_has_a_flag():
+    flags = _serve_flags()
+    for name in ServeConfig.model_fields:
+        flag = "--engine-arg" if name == "engine_args" else "--" + name.replace("_", "-")
+        assert flag in flags, flag
+
+
+def test_defaults_come_from_the_config():
+    ns = build_parser().parse_args(["serve"])
+    from agentkv.server.cli import _config_from
+
+    assert _config_from(ns) == ServeConfig()
+    assert ServeConfig().port == 8000 and ServeConfig().host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--port", "70000"], "--port"),
+    (["--device", "tpu"], "invalid choice"),
+    (["--kv-cache-gib", "0"], "--kv-cache-gib"),
+])
+def test_bad_flags_exit_2_with_a_message(args, needle):
+    r = subprocess.run([sys.executable, "-m", "agentkv.server.cli", "serve", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_engine_argv_cpu_defaults():
+    eng = EngineProcess(ServeConfig(engine_args=("--max-num-seqs", "8")), "/m", "cpu", port=1234)
+    argv = eng.argv()
+    for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details", "--enforce-eager",
+                 "--enable-auto-tool-choice"):
+        assert flag in argv
+    assert argv[argv.index("--dtype") + 1] == "float32"
+    assert argv[-2:] == ["--max-num-seqs", "8"]
+    assert eng.env()["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_engine_argv_cuda_defaults():
+    argv = EngineProcess(ServeConfig(tensor_parallel_size=2), "/m", "cuda", port=1).argv()
+    assert "--enforce-eager" not in argv and argv[argv.index("--dtype") + 1] == "auto"
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert "--gpu-memory-utilization" in argv
