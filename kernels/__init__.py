@@ -5,3 +5,11 @@ transformers' probe for the unrelated PyPI package ``kernels`` cannot find it in
 environment. It defines no ``__version__`` on purpose: even where a working directory puts this
 folder on sys.path as ``kernels``, that probe reads "no version" and reports the package absent.
 """
+
+from .evict import apply_plan, evict_spans
+from .layout import PagedKV, slots_of
+from .plan import EvictionPlan, Span, build_plan
+from .rope import RopeParams, UnsupportedShift
+
+__all__ = ["EvictionPlan", "PagedKV", "RopeParams", "Span", "UnsupportedShift", "apply_plan",
+           "build_plan", "evict_spans", "slots_of"]

@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import os
+
+import torch
+
+# Triton kernels run on CPU only under the interpreter; it must be chosen before triton.jit runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import signal
 import socket
 import subprocess

@@ -1,0 +1,82 @@
+"""`evict_spans`: drop spans from a sequence's paged KV and move the later tokens down, re-rotating
+their keys, instead of recomputing them. Picks Triton on CUDA and the torch reference elsewhere."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+
+from .evict_loop import copy_rotate_loop
+from .evict_torch import copy_rotate_torch
+from .layout import PagedKV
+from .plan import EvictionPlan, Span, build_plan
+from .rope import RopeParams
+
+Backend = Literal["auto", "triton", "torch", "loop"]
+
+
+def _backend(name: Backend, device: torch.device) -> Callable:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from .evict_triton import copy_rotate_triton  # imports triton only when used
+
+        return copy_rotate_triton
+    return {"torch": copy_rotate_torch, "loop": copy_rotate_loop}[name]
+
+
+def apply_plan(layers: Sequence[PagedKV], plan: EvictionPlan, rope: RopeParams,
+               replacement: Sequence[PagedKV] | None = None, dst_layers: Sequence[PagedKV] | None = None,
+               backend: Backend = "auto") -> None:
+    """Run ``plan`` on every layer. ``dst_layers`` default to ``layers`` (same cache, other blocks or
+    in place). Overlapping moves are staged through a temporary copy of the moved rows, costing
+    ``n_moved * heads * head_dim * 2`` elements of extra memory for one layer at a time."""
+    dst_layers = dst_layers or layers
+    if len(dst_layers) != len(layers) or (replacement is not None and len(replacement) != len(layers)):
+        raise ValueError("one source, destination and replacement cache per layer")
+    if not layers:
+        return
+    fn = _backend(backend, layers[0].key.device)
+    device = layers[0].key.device
+    cos, sin = rope.cos_sin(plan.deltas, device)
+    no_seg = torch.zeros(1, 1, device=device)
+    staged = plan.overlaps()
+    for i, (src, dst) in enumerate(zip(layers, dst_layers)):
+        if src.head_dim != rope.head_dim:
+            raise ValueError(f"cache head_dim {src.head_dim} != rope head_dim {rope.head_dim}")
+        src_slots, from_cache = plan.src_slots, src
+        if staged:
+            n = plan.n_moved
+            rows = PagedKV.from_rows(src.key.new_empty(n, src.num_kv_heads, src.head_dim),
+                                     src.value.new_empty(n, src.num_kv_heads, src.head_dim))
+            idx = torch.arange(n, device=device)
+            fn(src, rows, plan.src_slots, idx, plan.seg, no_seg, no_seg, None)
+            src_slots, from_cache = idx, rows
+        fn(from_cache, dst, src_slots, plan.dst_slots, plan.seg, cos, sin, rope)
+        if replacement is not None and plan.replacement_slots.numel():
+            rep = replacement[i]
+            fn(rep, dst, torch.arange(rep.key.shape[0], device=device), plan.replacement_slots,
+               torch.zeros_like(plan.replacement_slots, dtype=torch.int32), no_seg, no_seg, None)
+
+
+def evict_spans(layers: PagedKV | Sequence[PagedKV], src_block_table: torch.Tensor, src_len: int,
+                spans: Sequence[Span], dst_block_table: torch.Tensor, rope: RopeParams,
+                replacement: Sequence[PagedKV] | None = None, dst_layers: Sequence[PagedKV] | None = None,
+                backend: Backend = "auto") -> EvictionPlan:
+    """Drop ``spans`` of a cached sequence; write kept tokens (and supplied replacement rows) to
+    ``dst_block_table``. Keys move from old position ``p`` to new ``q`` by rotating ``q - p``.
+
+    ``replacement[i]``: the i-th layer's K/V rows for all spans' replacement tokens, in order,
+    already rotated at their new positions (``PagedKV.from_rows``). Without it, those slots are
+    left for the engine to compute. Returns the plan (moved token count, new length, positions).
+    """
+    layers = [layers] if isinstance(layers, PagedKV) else list(layers)
+    block = layers[0].block_size
+    dst_block = (dst_layers[0] if dst_layers else layers[0]).block_size
+    plan = build_plan(src_len, spans, src_block_table, dst_block_table, block, dst_block)
+    if replacement is not None and any(r.key.shape[0] != plan.replacement_slots.numel() for r in replacement):
+        raise ValueError(f"replacement rows must number {plan.replacement_slots.numel()} per layer")
+    apply_plan(layers, plan, rope, replacement, dst_layers, backend)
+    return plan

@@ -1,0 +1,69 @@
+"""Views of vLLM's paged KV caches as ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensors.
+
+Kernels address K and V only through these views' strides, so any layout that can be viewed this
+way works without a copy. Two are provided: vLLM's CUDA flash-attention layout and its CPU layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """One layer's key and value caches, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.key.dim() != 4 or self.key.shape != self.value.shape:
+            raise ValueError(f"key/value must be equal 4-D views, got {tuple(self.key.shape)} and "
+                             f"{tuple(self.value.shape)}")
+        if self.key.stride() != self.value.stride():
+            raise ValueError("key and value views must have the same strides")
+        if self.key.dtype != self.value.dtype or self.key.device != self.value.device:
+            raise ValueError("key and value must share dtype and device")
+
+    @property
+    def block_size(self) -> int:
+        return self.key.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.key.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.key.shape[3]
+
+    @classmethod
+    def from_flash(cls, kv_cache: torch.Tensor) -> PagedKV:
+        """vLLM FlashAttention: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+            raise ValueError(f"expected [2, blocks, block_size, heads, head_dim], got {tuple(kv_cache.shape)}")
+        return cls(kv_cache[0], kv_cache[1])
+
+    @classmethod
+    def from_cpu(cls, kv_cache: torch.Tensor) -> PagedKV:
+        """vLLM CPU attention: ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` storage, read as
+        ``[num_blocks, num_kv_heads, 2 * block_size, head_dim]``: per block and head, block_size rows
+        of K, then block_size rows of V."""
+        if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
+            raise ValueError(f"expected [blocks, heads, block_size, 2*head_dim], got {tuple(kv_cache.shape)}")
+        nb, h, bs, d2 = kv_cache.shape
+        planes = kv_cache.view(nb, h, 2, bs, d2 // 2)
+        return cls(planes[:, :, 0].permute(0, 2, 1, 3), planes[:, :, 1].permute(0, 2, 1, 3))
+
+    @classmethod
+    def from_rows(cls, key: torch.Tensor, value: torch.Tensor) -> PagedKV:
+        """Dense ``[n, num_kv_heads, head_dim]`` rows as a cache of n one-slot blocks (slot i = row i)."""
+        return cls(key.unsqueeze(1), value.unsqueeze(1))
+
+
+def slots_of(positions: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slot ids (``block * block_size + offset``) of token ``positions`` under ``block_table``."""
+    blocks = block_table.to(positions.device, torch.int64)[positions // block_size]
+    return blocks * block_size + positions % block_size
