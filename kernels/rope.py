@@ -79,17 +79,14 @@ class RopeParams:
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RopeParams) -> torch.Tensor:
     """Rotate ``x [..., head_dim]`` by angles with ``cos, sin [..., rotary_dim/2]`` (float32 math)."""
     rot, half = rope.rotary_dim, rope.rotary_dim // 2
-    xf = x.float()
+    out = x.to(torch.float32, copy=True)
     if rope.is_neox:
-        x1, x2 = xf[..., :half], xf[..., half:rot]
+        x1, x2 = out[..., :half], out[..., half:rot]
     else:
-        x1, x2 = xf[..., 0:rot:2], xf[..., 1:rot:2]
-    y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    out = xf.clone()
-    if rope.is_neox:
-        out[..., :half], out[..., half:rot] = y1, y2
-    else:
-        out[..., 0:rot:2], out[..., 1:rot:2] = y1, y2
+        x1, x2 = out[..., 0:rot:2], out[..., 1:rot:2]
+    y1 = (x1 * cos).addcmul_(x2, sin, value=-1.0)   # x1 cos - x2 sin
+    x2.mul_(cos).addcmul_(x1, sin)                  # x2 cos + x1 sin, in place (x1 still intact)
+    x1.copy_(y1)
     return out.to(x.dtype)
 
 

@@ -68,6 +68,16 @@ def cmd_model_build(ns: argparse.Namespace) -> int:
     return 0
 
 
+BENCHMARKS = {"kernel": "agentkv.benchmarks.kernel_bench"}
+
+
+def cmd_bench(ns: argparse.Namespace) -> int:
+    import importlib
+
+    importlib.import_module(BENCHMARKS[ns.name]).main(ns.args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--out", help="output directory (default: under $AGENTKV_HOME/models)")
     build.add_argument("--force", action="store_true", help="rebuild even if present")
     build.set_defaults(func=cmd_model_build)
+
+    bench = sub.add_parser("bench", help="run a benchmark (JSON + PNG under benchmarks/results/)")
+    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own flags (--help)")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

