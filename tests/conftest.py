@@ -102,3 +102,18 @@ def server(tmp_path_factory) -> Server:
 def pytest_collection_modifyitems(items):
     """Tests marked `last` (they stop the shared server) run after all others."""
     items.sort(key=lambda item: item.get_closest_marker("last") is not None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The embedded 2-layer model, built once per test session."""
+    from agentkv.server.embedded_model import build_model
+
+    return build_model(tmp_path_factory.mktemp("tiny") / "agentkv-tiny-2l")
+
+
+@pytest.fixture(scope="session")
+def renderer(tiny_model_dir):
+    from agentkv.compaction.prompt import PromptRenderer
+
+    return PromptRenderer.from_pretrained(str(tiny_model_dir))

@@ -1,0 +1,83 @@
+"""Tool-result clearing (Anthropic `clear_tool_uses_20250919` semantics) with exact prompt edits."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from .config import ClearToolUses
+from .edits import PromptEdit, diff_edits
+from .groups import ToolUse, tool_uses
+from .prompt import Message, PromptRenderer
+
+CLEARED = "[cleared tool result]"
+MAX_ARGS_CHARS = 200
+
+
+@dataclass
+class ClearResult:
+    messages: list[Message]
+    edits: list[PromptEdit] = field(default_factory=list)
+    cleared_tool_uses: int = 0
+    tokens_before: int = 0
+    tokens_after: int = 0
+
+    @property
+    def cleared_tokens(self) -> int:
+        return self.tokens_before - self.tokens_after
+
+
+def is_cleared(message: Message) -> bool:
+    c = message.get("content")
+    return isinstance(c, str) and c.startswith(CLEARED)
+
+
+def _text(content) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content or [] if isinstance(p, dict))
+
+
+def placeholder(use: ToolUse, tokens: int, cfg: ClearToolUses) -> str:
+    args = use.arguments if len(use.arguments) <= MAX_ARGS_CHARS else use.arguments[:MAX_ARGS_CHARS] + "..."
+    return f"{CLEARED} " + cfg.placeholder.format(name=use.name, arguments=args, tokens=tokens)
+
+
+def clear_tool_uses(messages: list[Message], renderer: PromptRenderer, cfg: ClearToolUses,
+                    tools: list | None = None) -> ClearResult:
+    """Clear every tool result older than the newest ``cfg.keep`` tool uses, once the prompt has
+    ``cfg.trigger`` tokens. System and user messages are never touched; a call and its result stay
+    together (only contents change); a result is cleared only where the placeholder is shorter;
+    nothing is cleared unless at least ``cfg.clear_at_least`` tokens are freed."""
+    before = renderer.count(messages, tools)
+    unchanged = ClearResult(messages, tokens_before=before, tokens_after=before)
+    if before < cfg.trigger:
+        return unchanged
+    answered = [u for u in tool_uses(messages) if u.result_index is not None]
+    protected = answered[len(answered) - cfg.keep:] if cfg.keep else []
+    new = list(messages)
+    kinds: dict[int, str] = {}
+    cleared = 0
+    for use in answered:
+        if use in protected or use.name in cfg.exclude_tools:
+            continue
+        result = new[use.result_index]
+        if not is_cleared(result):
+            tokens = renderer.count_text(_text(result.get("content")))
+            text = placeholder(use, tokens, cfg)
+            if renderer.count_text(text) < tokens:
+                new[use.result_index] = {**result, "content": text}
+                kinds[use.result_index] = "clear_tool_result"
+                cleared += 1
+        if cfg.clear_tool_inputs and use.arguments not in ("", "{}"):
+            call_msg = copy.deepcopy(new[use.call_index])
+            call_msg["tool_calls"][use.call_position]["function"]["arguments"] = "{}"
+            new[use.call_index] = call_msg
+            kinds.setdefault(use.call_index, "clear_tool_input")
+    if not kinds:
+        return unchanged
+    after = renderer.count(new, tools)
+    if before - after < max(cfg.clear_at_least, 1):
+        return unchanged
+    edits = diff_edits(renderer.render(messages, tools), renderer.render(new, tools), kinds)
+    return ClearResult(new, edits, cleared, before, after)

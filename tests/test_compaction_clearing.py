@@ -1,0 +1,99 @@
+"""Tool-result clearing: invariants (hypothesis) and exact prompt edits."""
+
+from __future__ import annotations
+
+from agent_sessions import TOOLS, conversations
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agentkv.compaction.clearing import clear_tool_uses, is_cleared
+from agentkv.compaction.config import ClearToolUses
+from agentkv.compaction.edits import apply_edits
+from agentkv.compaction.groups import tool_uses
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+CONFIGS = st.builds(ClearToolUses, trigger=st.sampled_from([0, 200, 10_000]), keep=st.integers(0, 3),
+                    clear_at_least=st.sampled_from([0, 50, 5000]),
+                    exclude_tools=st.sampled_from([[], ["grep"], ["bash", "read_file"]]),
+                    clear_tool_inputs=st.booleans())
+
+
+@SETTINGS
+@given(msgs=conversations(), cfg=CONFIGS)
+def test_clearing_invariants(renderer, msgs, cfg):
+    r = clear_tool_uses(msgs, renderer, cfg, TOOLS)
+    new = r.messages
+    assert len(new) == len(msgs)
+    assert r.tokens_after <= r.tokens_before                                  # never grows
+    assert r.tokens_after == renderer.count(new, TOOLS)
+    for a, b in zip(msgs, new):
+        assert a["role"] == b["role"]
+        if a["role"] in ("system", "user"):
+            assert a == b                                                      # never cleared
+    old_uses = tool_uses(msgs)
+    new_uses = tool_uses(new)                                                  # pairs intact
+    assert [(u.call_id, u.call_index, u.result_index, u.name) for u in old_uses] == \
+        [(u.call_id, u.call_index, u.result_index, u.name) for u in new_uses]
+    answered = [u for u in old_uses if u.result_index is not None]
+    protected = answered[len(answered) - cfg.keep:] if cfg.keep else []
+    for u in answered:
+        if u in protected or u.name in cfg.exclude_tools:
+            assert new[u.result_index] == msgs[u.result_index]
+    if r.edits:
+        assert r.tokens_before >= cfg.trigger and r.cleared_tokens >= cfg.clear_at_least
+    else:
+        assert new == msgs
+    # the edits turn the old prompt's tokens into the new prompt's tokens, exactly
+    old_ids = renderer.render(msgs, TOOLS).token_ids
+    assert apply_edits(old_ids, r.edits) == renderer.render(new, TOOLS).token_ids
+    for e in r.edits:
+        assert 0 <= e.start <= e.end <= len(old_ids)
+
+
+@SETTINGS
+@given(msgs=conversations(), cfg=CONFIGS)
+def test_clearing_is_idempotent(renderer, msgs, cfg):
+    once = clear_tool_uses(msgs, renderer, cfg, TOOLS)
+    twice = clear_tool_uses(once.messages, renderer, cfg, TOOLS)
+    assert twice.messages == once.messages and twice.edits == []
+
+
+def test_placeholder_names_tool_arguments_and_recall(renderer):
+    msgs = [{"role": "user", "content": "check media"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "diag.py media"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "timeout_ms = 1050\n" * 50},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c2", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}]},
+            {"role": "tool", "tool_call_id": "c2", "content": "a.py b.py"}]
+    r = clear_tool_uses(msgs, renderer, ClearToolUses(trigger=0, keep=1))
+    assert r.cleared_tool_uses == 1 and is_cleared(r.messages[2]) and not is_cleared(r.messages[4])
+    text = r.messages[2]["content"]
+    assert "bash" in text and "diag.py media" in text and "recall" in text
+    (edit,) = r.edits
+    assert edit.kind == "clear_tool_result" and edit.message_index == 2
+    start, end = renderer.render(msgs).ranges[2]
+    assert start < edit.start < edit.end < end          # only the content tokens are replaced
+    assert r.cleared_tokens > 200
+
+
+def test_trigger_and_clear_at_least_leave_the_prompt_alone(renderer):
+    msgs = [{"role": "user", "content": "x"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "grep", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "hit " * 100}]
+    n = renderer.count(msgs)
+    assert clear_tool_uses(msgs, renderer, ClearToolUses(trigger=n + 1, keep=0)).messages == msgs
+    assert clear_tool_uses(msgs, renderer, ClearToolUses(trigger=0, keep=0, clear_at_least=n)).messages == msgs
+    assert clear_tool_uses(msgs, renderer, ClearToolUses(trigger=0, keep=0)).messages != msgs
+
+
+def test_anthropic_style_thresholds_are_accepted():
+    cfg = ClearToolUses.model_validate({"trigger": {"type": "input_tokens", "value": 30000},
+                                        "keep": {"type": "tool_uses", "value": 2}})
+    assert cfg.trigger == 30000 and cfg.keep == 2
+
+
+def test_count_equals_full_tokenization(renderer):
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hello world " * 30}]
+    assert renderer.count(msgs, TOOLS) == len(renderer.render(msgs, TOOLS).token_ids)
