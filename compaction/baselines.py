@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .groups import groups
+from .groups import sized_groups
 from .prompt import Message, PromptRenderer
 
 
@@ -11,15 +11,6 @@ def _split_system(messages: list[Message]) -> tuple[list[Message], list[Message]
     while n < len(messages) and messages[n].get("role") in ("system", "developer"):
         n += 1
     return messages[:n], messages[n:]
-
-
-def _group_tokens(renderer: PromptRenderer, body: list[Message], tools) -> list[tuple[list[int], int]]:
-    out = []
-    bounds = [0] + renderer.char_bounds(body, tools)
-    text = renderer.render_text(body, tools, False)
-    for g in groups(body):
-        out.append((g, renderer.count_text(text[bounds[g[0]]:bounds[g[-1] + 1]])))
-    return out
 
 
 def sliding_window(messages: list[Message], renderer: PromptRenderer, max_tokens: int,
@@ -36,7 +27,7 @@ def head_tail(messages: list[Message], renderer: PromptRenderer, max_tokens: int
         raise ValueError("head_ratio must be within [0, 1]")
     system, body = _split_system(messages)
     budget = max_tokens - renderer.count(system, tools)
-    sized = _group_tokens(renderer, body, tools)
+    sized = sized_groups(renderer, body, tools)
     head, used = [], 0
     for g, t in sized:
         if used + t > budget * head_ratio:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from .config import ClearToolUses
 from .edits import PromptEdit, diff_edits
 from .groups import ToolUse, tool_uses
-from .prompt import Message, PromptRenderer
+from .prompt import Message, PromptRenderer, content_text as _text
 
 CLEARED = "[cleared tool result]"
 MAX_ARGS_CHARS = 200
@@ -30,12 +30,6 @@ class ClearResult:
 def is_cleared(message: Message) -> bool:
     c = message.get("content")
     return isinstance(c, str) and c.startswith(CLEARED)
-
-
-def _text(content) -> str:
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content or [] if isinstance(p, dict))
 
 
 def placeholder(use: ToolUse, tokens: int, cfg: ClearToolUses) -> str:

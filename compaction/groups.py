@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .prompt import Message
+from .prompt import Message, PromptRenderer
 
 
 @dataclass(frozen=True)
@@ -52,3 +52,10 @@ def groups(messages: list[Message]) -> list[list[int]]:
         out.append([i])
         pending = {c.get("id") for c in (m.get("tool_calls") or [])} if m.get("role") == "assistant" else set()
     return out
+
+
+def sized_groups(renderer: PromptRenderer, messages: list[Message], tools=None) -> list[tuple[list[int], int]]:
+    """Each atomic group with its token count in the rendered prompt."""
+    bounds = [0] + renderer.char_bounds(messages, tools)
+    text = renderer.render_text(messages, tools, False)
+    return [(g, renderer.count_text(text[bounds[g[0]]:bounds[g[-1] + 1]])) for g in groups(messages)]

@@ -17,6 +17,13 @@ from typing import Any
 Message = dict[str, Any]
 
 
+def content_text(content) -> str:
+    """A message's text: the string itself, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content or [] if isinstance(p, dict))
+
+
 def message_key(message: Message) -> str:
     return hashlib.sha256(json.dumps(message, sort_keys=True, default=str).encode()).hexdigest()
 

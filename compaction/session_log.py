@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from .prompt import Message
+from .prompt import Message, content_text as _text
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS messages (
@@ -37,12 +37,6 @@ CREATE TRIGGER IF NOT EXISTS messages_ai AFTER INSERT ON messages BEGIN
     INSERT INTO messages_fts(rowid, body, call) VALUES (new.id, new.body, new.call);
 END;
 """
-
-
-def _text(content) -> str:
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content or [] if isinstance(p, dict))
 
 
 def _args(fn: dict) -> str:

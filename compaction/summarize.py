@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .config import Compact
-from .groups import groups
-from .prompt import Message, PromptRenderer
+from .groups import sized_groups
+from .prompt import Message, PromptRenderer, content_text as _text
 
 SUMMARY = "[conversation summary]"
 NOTE_START, NOTE_END = "<handoff_note>", "</handoff_note>"
@@ -59,12 +59,6 @@ class SummaryResult:
     tokens_before: int = 0
     tokens_after: int = 0
     note: str | None = None
-
-
-def _text(content) -> str:
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content or [] if isinstance(p, dict))
 
 
 def is_summary(message: Message) -> bool:
@@ -144,13 +138,8 @@ def summary_message(note: str, users: list[str], notes: list[str], files: list[s
 def _cut(messages: list[Message], renderer: PromptRenderer, start: int, keep_tokens: int,
          tools) -> int:
     """Index where the kept recent part begins: a group boundary, newest groups within budget."""
-    body = messages[start:]
-    gs = groups(body)
-    bounds = [0] + renderer.char_bounds(body, tools)
-    text = renderer.render_text(body, tools, False)
-    used, cut = 0, len(body)
-    for g in reversed(gs):
-        t = renderer.count_text(text[bounds[g[0]]:bounds[g[-1] + 1]])
+    used, cut = 0, len(messages) - start
+    for g, t in reversed(sized_groups(renderer, messages[start:], tools)):
         if used + t > keep_tokens:
             break
         used += t
