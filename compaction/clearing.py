@@ -33,7 +33,11 @@ def is_cleared(message: Message) -> bool:
 
 
 def placeholder(use: ToolUse, tokens: int, cfg: ClearToolUses) -> str:
-    args = use.arguments if len(use.arguments) <= MAX_ARGS_CHARS else use.arguments[:MAX_ARGS_CHARS] + "..."
+    """With ``clear_tool_inputs`` the arguments are cleared too, and the placeholder shows them as
+    cleared (``{}``): naming them would keep what was asked to go, and would make a second pass
+    see a different placeholder (clearing must be idempotent)."""
+    args = "{}" if cfg.clear_tool_inputs else use.arguments
+    args = args if len(args) <= MAX_ARGS_CHARS else args[:MAX_ARGS_CHARS] + "..."
     return f"{CLEARED} " + cfg.placeholder.format(name=use.name, arguments=args, tokens=tokens)
 
 
