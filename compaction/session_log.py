@@ -31,6 +31,9 @@ CREATE TABLE IF NOT EXISTS notes (
     id INTEGER PRIMARY KEY, session TEXT NOT NULL, kind TEXT NOT NULL, text TEXT NOT NULL,
     created REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS views (            -- per-session state of the compacted view (JSON)
+    session TEXT PRIMARY KEY, state TEXT NOT NULL
+);
 CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts
     USING fts5(body, call, content='messages', content_rowid='id', tokenize='unicode61');
 CREATE TRIGGER IF NOT EXISTS messages_ai AFTER INSERT ON messages BEGIN
@@ -103,6 +106,15 @@ class SessionLog:
             rows = self.conn.execute("SELECT message FROM messages WHERE session=? ORDER BY seq",
                                      (session,)).fetchall()
         return [json.loads(r[0]) for r in rows]
+
+    def get_state(self, session: str) -> dict | None:
+        with self.lock:
+            row = self.conn.execute("SELECT state FROM views WHERE session=?", (session,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def put_state(self, session: str, state: dict) -> None:
+        with self.lock:
+            self.conn.execute("INSERT OR REPLACE INTO views VALUES (?, ?)", (session, json.dumps(state)))
 
     def add_note(self, session: str, kind: str, text: str) -> int:
         with self.lock:

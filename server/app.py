@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -9,11 +10,14 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from ..compaction.session_log import SessionLog
 from .config import ServeConfig
 from .deps import Authorized, SupervisorDep
 from .errors import install_error_handlers
+from .limits import BodyLimit
 from .metrics import LATENCY, REQUESTS, render
 from .routes_openai import router as openai_router
+from .sessions import Sessions
 from .supervisor import Supervisor
 
 
@@ -27,7 +31,11 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app = FastAPI(title="agentkv", version="0.1.0", lifespan=lifespan)
     app.state.cfg = cfg
     app.state.supervisor = Supervisor(cfg)
+    app.state.sessions = Sessions(SessionLog(cfg.session_db_path))
+    app.state.context = None
+    app.state.context_lock = threading.Lock()
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=int(cfg.max_request_mb * 2**20))
     app.include_router(openai_router)
 
     @app.middleware("http")

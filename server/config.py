@@ -25,7 +25,7 @@ class ServeConfig(BaseModel):
     host: str = Field("127.0.0.1", description="address the OpenAI-compatible API binds to")
     port: int = Field(8000, ge=0, le=65535, description="port of the API (0: pick a free one)")
     max_model_len: int | None = Field(None, gt=0, description="context window; default: the model's")
-    api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' on every route but /health")
+    api_key: tuple[str, ...] = Field((), description="accepted API key (repeat for several); each key sees only its own sessions")
     served_model_name: str | None = Field(None, description="model name clients use; default: --model or agentkv-tiny")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where vLLM runs; auto: cuda if a GPU is visible")
     tool_call_parser: str | None = Field("hermes", description="vLLM tool-call parser for the model ('' to disable)")
@@ -37,6 +37,13 @@ class ServeConfig(BaseModel):
     enforce_eager: bool | None = Field(None, description="disable graph capture (default: on for CPU, off for GPU)")
     engine_startup_timeout_s: float = Field(900.0, gt=0, description="seconds to wait for vLLM to become healthy")
     engine_args: tuple[str, ...] = Field((), description="extra arguments passed verbatim to vLLM")
+    context_management: bool = Field(True, description="apply the default context policy to requests without one")
+    clear_at: float = Field(0.5, gt=0, le=1, description="default policy: clear tool results at this fraction of the window")
+    compact_at: float = Field(0.75, gt=0, le=1, description="default policy: summarize at this fraction of the window")
+    server_tools: bool = Field(False, description="offer the server-executed recall and note tools to every request")
+    max_server_tool_rounds: int = Field(4, ge=1, le=16, description="bound on server tool calls per request")
+    max_request_mb: float = Field(32.0, gt=0, description="largest accepted request body (MiB)")
+    session_db: str | None = Field(None, description="session log (SQLite path); default $AGENTKV_HOME/sessions.db")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
     @field_validator("host")
@@ -45,6 +52,17 @@ class ServeConfig(BaseModel):
         if not v.strip():
             raise ValueError("host must not be empty")
         return v
+
+    @field_validator("api_key")
+    @classmethod
+    def _keys_not_empty(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not k for k in v):
+            raise ValueError("an API key must not be empty")
+        return v
+
+    @property
+    def session_db_path(self) -> str:
+        return self.session_db or str(agentkv_home() / "sessions.db")
 
     @property
     def model_name(self) -> str:

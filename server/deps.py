@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from typing import Annotated
 
@@ -16,15 +17,17 @@ def get_supervisor(request: Request) -> Supervisor:
     return request.app.state.supervisor
 
 
-def require_api_key(request: Request) -> None:
-    """With ``--api-key``: ``Authorization: Bearer KEY`` (or ``x-api-key``) is required."""
-    key = request.app.state.cfg.api_key
-    if not key:
-        return
+def owner_of(request: Request) -> str:
+    """Who is calling: a digest of the API key (``local`` when the server takes no keys).
+    Sessions are namespaced by it, so one key never sees another's sessions."""
+    keys = request.app.state.cfg.api_key
+    if not keys:
+        return "local"
     auth = request.headers.get("authorization", "")
     given = auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-    if not hmac.compare_digest(given.encode(), key.encode()):
+    if not any(hmac.compare_digest(given.encode(), k.encode()) for k in keys):
         raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+    return hashlib.sha256(given.encode()).hexdigest()[:16]
 
 
 def get_engine(sup: Annotated[Supervisor, Depends(get_supervisor)]) -> EngineClient:
@@ -34,6 +37,29 @@ def get_engine(sup: Annotated[Supervisor, Depends(get_supervisor)]) -> EngineCli
     return sup.client
 
 
+def get_context(request: Request, engine: Annotated[EngineClient, Depends(get_engine)]):
+    """The context manager, made once the engine is up (it needs the model's tokenizer)."""
+    state = request.app.state
+    if getattr(state, "context", None) is None:
+        with state.context_lock:
+            if getattr(state, "context", None) is None:
+                from openai import OpenAI
+
+                from ..compaction.prompt import PromptRenderer
+                from ..compaction.summarize import OpenAIModelClient
+                from .context import ContextManager
+
+                sup = state.supervisor
+                summarizer = OpenAIModelClient(OpenAI(base_url=f"{sup.engine.base_url}/v1",
+                                                      api_key=sup.engine.secret, max_retries=0),
+                                               state.cfg.model_name)
+                state.context = ContextManager(state.sessions, PromptRenderer.from_pretrained(sup.model_path),
+                                               summarizer)
+    return state.context
+
+
 SupervisorDep = Annotated[Supervisor, Depends(get_supervisor)]
 EngineDep = Annotated[EngineClient, Depends(get_engine)]
-Authorized = Depends(require_api_key)
+ContextDep = Annotated[object, Depends(get_context)]
+OwnerDep = Annotated[str, Depends(owner_of)]
+Authorized = Depends(owner_of)

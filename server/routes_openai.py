@@ -2,39 +2,57 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from .deps import Authorized, EngineDep
+from ..compaction.policy import default_policy
+from . import chat, server_tools
+from .deps import ContextDep, EngineDep, OwnerDep
 from .proxy import relay_stream, unavailable
 from .schemas import ChatCompletionRequest, CompletionRequest, forward_body
+from .sessions import session_key
 
-router = APIRouter(prefix="/v1", dependencies=[Authorized])
+router = APIRouter(prefix="/v1")
 
 
-async def _forward(engine, path: str, body: dict) -> Response:
+@router.post("/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request, engine: EngineDep,
+                           owner: OwnerDep, ctx: ContextDep) -> Response:
+    cfg = request.app.state.cfg
+    body = forward_body(req, cfg.model_name)
+    key, sid = session_key(owner, request.headers.get("x-session-id") or req.session_id, body["messages"])
+    policy = req.context_management
+    if policy is None and cfg.context_management:
+        policy = default_policy(request.app.state.supervisor.max_model_len, cfg.clear_at, cfg.compact_at)
+    prepared = await asyncio.to_thread(ctx.prepare, key, sid, body["messages"], body.get("tools"), policy)
+    body["messages"] = prepared.messages
+    runner = None
+    if req.server_tools if req.server_tools is not None else cfg.server_tools:
+        body["tools"] = server_tools.with_server_tools(body.get("tools"))
+        runner = chat.ToolRunner(ctx.sessions.log, key, cfg.max_server_tool_rounds)
+    handler = chat.stream if body.get("stream") else chat.complete
+    response = await handler(engine, body, prepared.report, runner)
+    response.headers["X-Session-Id"] = sid
+    return response
+
+
+@router.post("/completions")
+async def completions(req: CompletionRequest, request: Request, engine: EngineDep, _: OwnerDep) -> Response:
+    body = forward_body(req, request.app.state.cfg.model_name)
     try:
         if body.get("stream"):
-            return await relay_stream(await engine.post_stream(path, body))
-        status, payload = await engine.post_json(path, body)
+            return await relay_stream(await engine.post_stream("/v1/completions", body))
+        status, payload = await engine.post_json("/v1/completions", body)
     except httpx.TransportError as exc:
         return unavailable(exc)
     return JSONResponse(payload, status_code=status)
 
 
-@router.post("/chat/completions")
-async def chat_completions(req: ChatCompletionRequest, request: Request, engine: EngineDep) -> Response:
-    return await _forward(engine, "/v1/chat/completions", forward_body(req, request.app.state.cfg.model_name))
-
-
-@router.post("/completions")
-async def completions(req: CompletionRequest, request: Request, engine: EngineDep) -> Response:
-    return await _forward(engine, "/v1/completions", forward_body(req, request.app.state.cfg.model_name))
-
-
 @router.get("/models")
-async def models(engine: EngineDep) -> Response:
+async def models(engine: EngineDep, _: OwnerDep) -> Response:
     try:
         status, payload = await engine.get_json("/v1/models")
     except httpx.TransportError as exc:

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..compaction.policy import ContextManagement
+
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
@@ -47,18 +49,26 @@ class _Sampling(_PassThrough):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=20_000)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
+    # agentkv's own fields, consumed by the front and not sent to vLLM:
+    context_management: ContextManagement | None = None
+    session_id: str | None = None
+    server_tools: bool | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
 
 
+AGENTKV_FIELDS = ("context_management", "session_id", "server_tools")
+
+
 def forward_body(req: _Sampling, model_name: str) -> dict[str, Any]:
-    """The JSON sent on to vLLM: what the client sent, with the served model name filled in."""
-    body = req.model_dump(exclude_unset=True, exclude_none=False)
+    """The JSON sent on to vLLM: what the client sent (less agentkv's own fields), with the served
+    model name filled in."""
+    body = req.model_dump(exclude_unset=True, exclude_none=False, exclude=set(AGENTKV_FIELDS))
     body["model"] = req.model or model_name
     return body

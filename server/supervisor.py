@@ -44,6 +44,8 @@ class Supervisor:
         self.engine: EngineProcess | None = None
         self.client: EngineClient | None = None
         self._task: asyncio.Task | None = None
+        self.model_path: str | None = None
+        self.max_model_len: int = 0
 
     def start(self) -> None:
         self.state = EngineState.STARTING
@@ -51,14 +53,16 @@ class Supervisor:
 
     async def _launch(self) -> None:
         try:
-            model_path = await asyncio.to_thread(resolve_model_path, self.cfg)
-            self.engine = EngineProcess(self.cfg, model_path, resolve_device(self.cfg.device))
+            self.model_path = await asyncio.to_thread(resolve_model_path, self.cfg)
+            self.engine = EngineProcess(self.cfg, self.model_path, resolve_device(self.cfg.device))
             ENGINE_STARTS.inc()
             await self.engine.start()
             self.client = EngineClient(self.engine.base_url, self.engine.secret)
+            _, models = await self.client.get_json("/v1/models")
+            self.max_model_len = int(models["data"][0]["max_model_len"])
             self.state = EngineState.READY
             ENGINE_UP.set(1)
-        except (EngineError, OSError, ValueError) as exc:
+        except (EngineError, OSError, ValueError, KeyError) as exc:
             log.error("engine failed to start: %s", exc)
             self.state, self.error = EngineState.FAILED, str(exc)
 

@@ -23,6 +23,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 API_KEY = "sk-agentkv-test"
+OTHER_KEY = "sk-agentkv-other"
 STARTUP_TIMEOUT_S = 900
 
 
@@ -62,7 +63,7 @@ def start_server(home: Path, *extra: str) -> Server:
     log_path = home / "server.log"
     env = dict(os.environ, AGENTKV_HOME=str(home))
     cmd = [sys.executable, "-m", "agentkv.server.cli", "serve", "--port", str(port),
-           "--api-key", API_KEY, *extra]
+           "--api-key", API_KEY, "--api-key", OTHER_KEY, *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

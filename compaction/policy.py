@@ -1,0 +1,32 @@
+"""A context-management policy: the ordered edits to apply, and the default for a context window.
+
+Default (first seed): clear old tool results at 50% of the window, in batches that free at least
+10% of it (clearing breaks the prefix cache, so it should not fire for little); summarize at 75%,
+keeping the newest 30% word for word and up to 5% of user messages copied into the summary.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .config import ClearToolUses, Compact
+
+Edit = Annotated[ClearToolUses | Compact, Field(discriminator="type")]
+
+
+class ContextManagement(BaseModel):
+    """The body's ``context_management`` object (Anthropic's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    edits: list[Edit] = Field(default_factory=list, max_length=8)
+
+
+def default_policy(window: int, clear_at: float = 0.5, compact_at: float = 0.75) -> ContextManagement:
+    return ContextManagement(edits=[
+        ClearToolUses(trigger=int(window * clear_at), keep=3, clear_at_least=int(window * 0.1)),
+        Compact(trigger=int(window * compact_at), keep_recent_tokens=int(window * 0.3),
+                user_messages_tokens=int(window * 0.05)),
+    ])

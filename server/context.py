@@ -1,0 +1,68 @@
+"""Applies a context policy to a session's conversation: the request path's compaction step.
+
+Order per request: sync the conversation into the session log (before any edit), rebuild the view
+from the edits in force, run the policy's edits on the view, persist what fired, report it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..compaction.clearing import clear_tool_uses
+from ..compaction.config import ClearToolUses
+from ..compaction.policy import ContextManagement
+from ..compaction.prompt import Message, PromptRenderer
+from ..compaction.summarize import ModelClient, summarize
+from .sessions import Sessions
+
+
+@dataclass
+class Prepared:
+    messages: list[Message]
+    report: dict[str, Any]
+    edits: list  # PromptEdit of clearing in this request, against the pre-clearing view prompt
+
+
+class ContextManager:
+    def __init__(self, sessions: Sessions, renderer: PromptRenderer, summarizer: ModelClient):
+        self.sessions, self.renderer, self.summarizer = sessions, renderer, summarizer
+
+    def prepare(self, key: str, session_id: str, messages: list[Message], tools: list | None,
+                policy: ContextManagement | None) -> Prepared:
+        state = self.sessions.sync(key, messages)
+        view, where = state.view(messages)
+        before = self.renderer.count(messages, tools)
+        applied: list[dict] = []
+        kv_edits: list = []
+        for edit in policy.edits if policy else []:
+            if isinstance(edit, ClearToolUses):
+                r = clear_tool_uses(view, self.renderer, edit, tools)
+                if not r.edits:
+                    continue
+                for i in {e.message_index for e in r.edits}:
+                    state.replaced[where[i]] = r.messages[i]
+                kv_edits = r.edits
+                view = r.messages
+                applied.append({"type": "clear_tool_uses", "cleared_tool_uses": r.cleared_tool_uses,
+                                "cleared_input_tokens": r.cleared_tokens,
+                                "edits": [e.as_dict() for e in r.edits]})
+            else:
+                notes = [f"{kind}: {text}" for kind, text in self.sessions.log.notes(key)]
+                r = summarize(view, self.renderer, edit, self.summarizer, tools, notes, history=messages)
+                if not r.summarized_messages:
+                    continue
+                head = next(i for i, m in enumerate(r.messages) if m is not view[i])
+                cut = len(view) - (len(r.messages) - head - 1)
+                state.summary, state.summary_start = r.messages[head], where[head]
+                state.summary_end = where[cut] if cut < len(where) else len(messages)
+                where = where[:head + 1] + where[cut:]
+                view = r.messages
+                kv_edits = []  # a summary rewrites the prompt from `head` on: nothing to shift
+                applied.append({"type": "compact", "summarized_messages": r.summarized_messages,
+                                "summary_tokens": r.summary_tokens})
+        self.sessions.save(key, state)
+        after = self.renderer.count(view, tools) if applied or state.replaced or state.summary else before
+        report = {"session_id": session_id, "applied_edits": applied,
+                  "prompt_tokens_before": before, "prompt_tokens_after": after}
+        return Prepared(view, report, kv_edits)

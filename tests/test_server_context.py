@@ -1,0 +1,166 @@
+"""Server-side context management through the real server: sessions, per-request policies, the
+applied-edits report, server-executed recall/note, key isolation, and bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+
+import pytest
+from conftest import API_KEY, OTHER_KEY
+
+from agentkv.compaction.session_log import SessionLog
+
+MODEL = "agentkv-tiny"
+FACT = "timeout_ms = 1050"
+
+
+def diag_conversation(services=("media", "auth", "billing", "search")) -> list[dict]:
+    msgs = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Run diagnostics."}]
+    for i, svc in enumerate(services):
+        lines = [f"{svc} check {j}: ok latency {j * 3} ms" for j in range(60)]
+        lines.insert(20, FACT if svc == "media" else f"port = {8000 + i}")
+        msgs += [{"role": "assistant", "content": None, "tool_calls": [
+                     {"id": f"call_{i}", "type": "function",
+                      "function": {"name": "bash", "arguments": json.dumps({"cmd": f"python diag.py {svc}"})}}]},
+                 {"role": "tool", "tool_call_id": f"call_{i}", "content": "\n".join(lines)}]
+    return msgs + [{"role": "user", "content": "Which services look slow?"}]
+
+
+def chat(server, messages, session, key=API_KEY, **extra):
+    return server.http(api_key=key).post("/v1/chat/completions", headers={"X-Session-Id": session},
+                                         json={"model": MODEL, "messages": messages, "max_tokens": 4,
+                                               "temperature": 0, **extra})
+
+
+CLEAR = {"edits": [{"type": "clear_tool_uses", "trigger": {"type": "input_tokens", "value": 500},
+                    "keep": {"type": "tool_uses", "value": 1}}]}
+
+
+def test_clearing_fires_at_trigger_and_the_engine_sees_the_cleared_prompt(server):
+    sid = f"t-{uuid.uuid4().hex[:8]}"
+    r = chat(server, diag_conversation(), sid, context_management=CLEAR)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    cm = body["context_management"]
+    assert cm["session_id"] == sid and r.headers["x-session-id"] == sid
+    (edit,) = cm["applied_edits"]
+    assert edit["type"] == "clear_tool_uses" and edit["cleared_tool_uses"] == 3
+    assert cm["prompt_tokens_before"] - cm["prompt_tokens_after"] == edit["cleared_input_tokens"] > 1000
+    assert len(edit["edits"]) == 3
+    assert body["usage"]["prompt_tokens"] == cm["prompt_tokens_after"]     # what vLLM really got
+
+    below = {"edits": [{"type": "clear_tool_uses", "trigger": 10**6}]}
+    r2 = chat(server, diag_conversation(), f"u-{sid}", context_management=below)
+    cm2 = r2.json()["context_management"]
+    assert cm2["applied_edits"] == [] and r2.json()["usage"]["prompt_tokens"] == cm2["prompt_tokens_before"]
+
+
+def test_view_is_stable_next_turn_hits_the_prefix_cache_and_log_keeps_originals(server):
+    sid = f"s-{uuid.uuid4().hex[:8]}"
+    msgs = diag_conversation()
+    first = chat(server, msgs, sid, context_management=CLEAR).json()
+    msgs2 = msgs + [{"role": "assistant", "content": "media and search."}, {"role": "user", "content": "Why?"}]
+    second = chat(server, msgs2, sid, context_management=CLEAR).json()
+    assert second["context_management"]["applied_edits"] == []          # nothing new to clear
+    assert second["context_management"]["prompt_tokens_after"] > first["context_management"]["prompt_tokens_after"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.8 * first["usage"]["prompt_tokens"]
+    owner = hashlib.sha256(API_KEY.encode()).hexdigest()[:16]
+    history = SessionLog(server.home / "sessions.db").history(f"{owner}/{sid}")
+    assert history == msgs2                                               # every original, in order
+    assert FACT in history[3]["content"]
+
+
+RECALL_CALL = r'<tool_call>\{"name": "recall", "arguments": \{"query": "media timeout"\}\}</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_server_executed_recall_finds_a_cleared_fact(server, stream):
+    sid = f"r-{uuid.uuid4().hex[:8]}"
+    extra = dict(context_management=CLEAR, server_tools=True, structured_outputs={"regex": RECALL_CALL},
+                 max_tokens=60)
+    if not stream:
+        body = chat(server, diag_conversation(), sid, **extra).json()
+        calls, final = body["server_tool_calls"], body
+        assert not final["choices"][0]["message"].get("tool_calls")
+    else:
+        r = chat(server, diag_conversation(), sid, stream=True, stream_options={"include_usage": True}, **extra)
+        events = [json.loads(line[5:]) for line in r.text.splitlines()
+                  if line.startswith("data:") and line.strip() != "data: [DONE]"]
+        assert r.text.rstrip().endswith("data: [DONE]")
+        final = events[-1]
+        calls = final["server_tool_calls"]
+        assert not any(e["choices"] and e["choices"][0]["delta"].get("tool_calls") for e in events)
+    assert calls[0]["name"] == "recall" and FACT in calls[0]["result"]
+    assert final["context_management"]["applied_edits"][0]["cleared_tool_uses"] == 3
+
+
+def test_note_tool_is_stored(server):
+    sid = f"n-{uuid.uuid4().hex[:8]}"
+    regex = r'<tool_call>\{"name": "note", "arguments": \{"kind": "decision", "text": "use port 8443"\}\}</tool_call>'
+    body = chat(server, [{"role": "user", "content": "decide"}], sid, server_tools=True,
+                structured_outputs={"regex": regex}, max_tokens=150).json()
+    assert body["server_tool_calls"][0]["result"] == "noted"
+    owner = hashlib.sha256(API_KEY.encode()).hexdigest()[:16]
+    assert SessionLog(server.home / "sessions.db").notes(f"{owner}/{sid}") == [("decision", "use port 8443")]
+
+
+def test_two_api_keys_cannot_see_each_others_sessions(server):
+    sid = f"shared-{uuid.uuid4().hex[:8]}"
+    assert chat(server, diag_conversation(), sid, key=API_KEY).status_code == 200
+    r = chat(server, [{"role": "user", "content": "recall it"}], sid, key=OTHER_KEY, server_tools=True,
+             structured_outputs={"regex": RECALL_CALL}, max_tokens=60)
+    result = r.json()["server_tool_calls"][0]["result"]
+    assert result == "No match in the session log." and FACT not in r.text
+
+
+@pytest.mark.parametrize("cm, param", [
+    ({"edits": [{"type": "delete_everything"}]}, "context_management.edits.0"),
+    ({"edits": [{"type": "clear_tool_uses", "trigger": -5}]}, "context_management.edits.0.clear_tool_uses.trigger"),
+    ({"edits": [{"type": "compact", "keep_recent_tokens": -1}]}, "context_management.edits.0.compact.keep_recent_tokens"),
+    ({"edits": [{"type": "clear_tool_uses", "bogus": 1}]}, "context_management.edits.0.clear_tool_uses.bogus"),
+    ({"edits": "all"}, "context_management.edits"),
+])
+def test_bad_context_management_is_a_400_naming_the_field(server, cm, param):
+    r = chat(server, [{"role": "user", "content": "x"}], "bad", context_management=cm)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_bad_session_ids_and_reserved_tool_names(server):
+    r = chat(server, [{"role": "user", "content": "x"}], "../../etc/passwd")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "session_id"
+    tools = [{"type": "function", "function": {"name": "recall", "parameters": {"type": "object"}}}]
+    r = chat(server, [{"role": "user", "content": "x"}], "ok", server_tools=True, tools=tools)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+def test_oversized_request_is_413_and_the_server_keeps_serving(server):
+    huge = "x" * (33 * 2**20)
+    r = server.http().post("/v1/chat/completions", content=json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": huge}]}),
+        headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert chat(server, [{"role": "user", "content": "still there?"}], "alive").status_code == 200
+
+
+def test_session_id_is_derived_when_absent(server):
+    msgs = [{"role": "system", "content": f"sys {uuid.uuid4()}"}, {"role": "user", "content": "hello"}]
+    r1 = server.http().post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 2})
+    msgs += [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]
+    r2 = server.http().post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 2})
+    assert r1.headers["x-session-id"].startswith("auto-")
+    assert r1.headers["x-session-id"] == r2.headers["x-session-id"]
+
+
+def test_default_policy_clears_at_half_the_window(server):
+    window = server.http().get("/v1/models").json()["data"][0]["max_model_len"]
+    services = [f"svc{i}" for i in range(26)]
+    msgs = diag_conversation(services)
+    r = chat(server, msgs, f"d-{uuid.uuid4().hex[:8]}")
+    cm = r.json()["context_management"]
+    assert cm["prompt_tokens_before"] >= window // 2
+    (edit,) = cm["applied_edits"]
+    assert edit["type"] == "clear_tool_uses" and edit["cleared_tool_uses"] == len(services) - 3
+    assert edit["cleared_input_tokens"] >= window // 10
