@@ -70,3 +70,64 @@ def print_table(title: str, columns: list[str], rows: list[list], caption: str) 
     for r in rows:
         table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in r])
     Console().print(table)
+
+
+class Endpoint:
+    """An OpenAI-compatible agentkv endpoint: a given URL, or a server started for the benchmark."""
+
+    def __init__(self, url: str | None = None, api_key: str | None = None, serve_args: tuple[str, ...] = ()):
+        self.url, self.api_key, self.serve_args, self.proc = url, api_key, serve_args, None
+
+    def __enter__(self) -> "Endpoint":
+        if self.url is None:
+            self._start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            import signal
+
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=120)
+
+    def _start(self) -> None:
+        import socket
+        import subprocess
+        import sys
+        import time
+
+        import httpx
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.proc = subprocess.Popen([sys.executable, "-m", "agentkv.server.cli", "serve", "--port", str(port),
+                                      *self.serve_args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agentkv serve exited with {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        raise RuntimeError("agentkv serve did not become healthy")
+
+    def http(self, timeout: float = 600):
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def model(self) -> dict:
+        with self.http() as h:
+            return h.get("/v1/models").json()["data"][0]
+
+
+def add_endpoint_args(ap) -> None:
+    ap.add_argument("--url", help="a running agentkv server (default: start one with the embedded model)")
+    ap.add_argument("--api-key", help="API key for --url")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder (default: benchmarks/results)")

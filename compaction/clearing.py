@@ -21,6 +21,8 @@ class ClearResult:
     cleared_tool_uses: int = 0
     tokens_before: int = 0
     tokens_after: int = 0
+    old_ids: list[int] = field(default_factory=list)   # the prompts the edits relate (when edited)
+    new_ids: list[int] = field(default_factory=list)
 
     @property
     def cleared_tokens(self) -> int:
@@ -77,5 +79,6 @@ def clear_tool_uses(messages: list[Message], renderer: PromptRenderer, cfg: Clea
     after = renderer.count(new, tools)
     if before - after < max(cfg.clear_at_least, 1):
         return unchanged
-    edits = diff_edits(renderer.render(messages, tools), renderer.render(new, tools), kinds)
-    return ClearResult(new, edits, cleared, before, after)
+    old_prompt, new_prompt = renderer.render(messages, tools), renderer.render(new, tools)
+    edits = diff_edits(old_prompt, new_prompt, kinds)
+    return ClearResult(new, edits, cleared, before, after, old_prompt.token_ids, new_prompt.token_ids)

@@ -24,6 +24,30 @@ def content_text(content) -> str:
     return "".join(p.get("text", "") for p in content or [] if isinstance(p, dict))
 
 
+def as_engine_sees(messages: list[Message]) -> list[Message]:
+    """Messages as vLLM hands them to the chat template: tool-call arguments parsed from JSON
+    strings into objects (invalid or non-object JSON becomes ``{}``), so our render matches the
+    engine's token for token."""
+    out = []
+    for m in messages:
+        if not m.get("tool_calls"):
+            out.append(m)
+            continue
+        calls = []
+        for c in m["tool_calls"]:
+            fn = dict(c.get("function") or {})
+            args = fn.get("arguments")
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except ValueError:
+                    args = {}
+            fn["arguments"] = args if isinstance(args, dict) else {}
+            calls.append({**c, "function": fn})
+        out.append({**m, "tool_calls": calls})
+    return out
+
+
 def message_key(message: Message) -> str:
     return hashlib.sha256(json.dumps(message, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -60,7 +84,7 @@ class PromptRenderer:
     def render_text(self, messages: list[Message], tools: list | None, generation_prompt: bool) -> str:
         if not messages:
             return ""
-        return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+        return self.tokenizer.apply_chat_template(as_engine_sees(messages), tools=tools or None, tokenize=False,
                                                   add_generation_prompt=generation_prompt)
 
     def _tokens_in(self, text: str) -> int:

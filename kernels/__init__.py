@@ -6,10 +6,10 @@ environment. It defines no ``__version__`` on purpose: even where a working dire
 folder on sys.path as ``kernels``, that probe reads "no version" and reports the package absent.
 """
 
-from .evict import apply_plan, evict_spans
+from .evict import apply_plan, evict_spans, move_tokens
 from .layout import PagedKV, slots_of
 from .plan import EvictionPlan, Span, build_plan
 from .rope import RopeParams, UnsupportedShift
 
 __all__ = ["EvictionPlan", "PagedKV", "RopeParams", "Span", "UnsupportedShift", "apply_plan",
-           "build_plan", "evict_spans", "slots_of"]
+           "build_plan", "evict_spans", "move_tokens", "slots_of"]

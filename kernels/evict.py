@@ -61,6 +61,19 @@ def apply_plan(layers: Sequence[PagedKV], plan: EvictionPlan, rope: RopeParams,
                torch.zeros_like(plan.replacement_slots, dtype=torch.int32), no_seg, no_seg, None)
 
 
+def move_tokens(src: PagedKV, dst: PagedKV, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                deltas: torch.Tensor, rope: RopeParams, backend: Backend = "auto") -> None:
+    """Move tokens ``src_slots[i] -> dst_slots[i]``, rotating keys by ``deltas[i]`` positions.
+    Moves must not overlap (distinct caches, or disjoint slots)."""
+    if src_slots.numel() == 0:
+        return
+    device = dst.key.device
+    uniq, seg = torch.unique(deltas.cpu(), return_inverse=True)
+    cos, sin = rope.cos_sin(uniq, device)
+    _backend(backend, device)(src, dst, src_slots.to(device), dst_slots.to(device),
+                              seg.to(device, torch.int32), cos, sin, rope)
+
+
 def evict_spans(layers: PagedKV | Sequence[PagedKV], src_block_table: torch.Tensor, src_len: int,
                 spans: Sequence[Span], dst_block_table: torch.Tensor, rope: RopeParams,
                 replacement: Sequence[PagedKV] | None = None, dst_layers: Sequence[PagedKV] | None = None,

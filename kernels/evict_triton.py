@@ -12,14 +12,16 @@ from .rope import RopeParams
 
 @triton.jit
 def _copy_rotate_kernel(
-    src_k_ptr, src_v_ptr,        # [src_blocks, SRC_BS, heads, head_dim], strides s_*
-    dst_k_ptr, dst_v_ptr,        # [dst_blocks, DST_BS, heads, head_dim], strides d_*
+    src_k_ptr, src_v_ptr,        # [src_blocks, SRC_BS, heads, head_dim], strides s_* (K), sv_* (V)
+    dst_k_ptr, dst_v_ptr,        # [dst_blocks, DST_BS, heads, head_dim], strides d_* (K), dv_* (V)
     src_slot_ptr, dst_slot_ptr,  # [n_tokens] int64
     seg_ptr,                     # [n_tokens] int32, row of cos/sin
     cos_ptr, sin_ptr,            # [n_segments, ROT_HALF] float32, contiguous
     num_heads,
     s_b, s_s, s_h, s_d,
     d_b, d_s, d_h, d_d,
+    sv_b, sv_s, sv_h, sv_d,
+    dv_b, dv_s, dv_h, dv_d,
     SRC_BS: tl.constexpr, DST_BS: tl.constexpr,
     HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr,
     IS_NEOX: tl.constexpr, ROTATE: tl.constexpr,
@@ -30,13 +32,15 @@ def _copy_rotate_kernel(
     dst_slot = tl.load(dst_slot_ptr + tok)
     src_base = (src_slot // SRC_BS) * s_b + (src_slot % SRC_BS) * s_s
     dst_base = (dst_slot // DST_BS) * d_b + (dst_slot % DST_BS) * d_s
+    src_vbase = (src_slot // SRC_BS) * sv_b + (src_slot % SRC_BS) * sv_s
+    dst_vbase = (dst_slot // DST_BS) * dv_b + (dst_slot % DST_BS) * dv_s
 
     h = tl.arange(0, BLOCK_H)[:, None]
     h_ok = h < num_heads
     d = tl.arange(0, BLOCK_D)[None, :]
     full = h_ok & (d < HEAD_DIM)
-    v = tl.load(src_v_ptr + src_base + h * s_h + d * s_d, mask=full)
-    tl.store(dst_v_ptr + dst_base + h * d_h + d * d_d, v, mask=full)
+    v = tl.load(src_v_ptr + src_vbase + h * sv_h + d * sv_d, mask=full)
+    tl.store(dst_v_ptr + dst_vbase + h * dv_h + d * dv_d, v, mask=full)
 
     if ROTATE:
         seg = tl.load(seg_ptr + tok)
@@ -81,7 +85,7 @@ def copy_rotate_triton(src: PagedKV, dst: PagedKV, src_slots: torch.Tensor, dst_
         src_slots.contiguous(), dst_slots.contiguous(), seg.to(torch.int32).contiguous(),
         cos.contiguous(), sin.contiguous(),
         heads,
-        *src.key.stride(), *dst.key.stride(),
+        *src.key.stride(), *dst.key.stride(), *src.value.stride(), *dst.value.stride(),
         SRC_BS=src.block_size, DST_BS=dst.block_size,
         HEAD_DIM=head_dim, ROT_HALF=rot_half,
         IS_NEOX=bool(rope.is_neox) if rope is not None else True, ROTATE=rope is not None,

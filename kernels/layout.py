@@ -13,7 +13,8 @@ import torch
 
 @dataclass(frozen=True)
 class PagedKV:
-    """One layer's key and value caches, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """One layer's key and value caches, each ``[num_blocks, block_size, num_kv_heads, head_dim]``
+    (any strides; K and V may differ)."""
 
     key: torch.Tensor
     value: torch.Tensor
@@ -22,8 +23,6 @@ class PagedKV:
         if self.key.dim() != 4 or self.key.shape != self.value.shape:
             raise ValueError(f"key/value must be equal 4-D views, got {tuple(self.key.shape)} and "
                              f"{tuple(self.value.shape)}")
-        if self.key.stride() != self.value.stride():
-            raise ValueError("key and value views must have the same strides")
         if self.key.dtype != self.value.dtype or self.key.device != self.value.device:
             raise ValueError("key and value must share dtype and device")
 
@@ -48,14 +47,29 @@ class PagedKV:
 
     @classmethod
     def from_cpu(cls, kv_cache: torch.Tensor) -> PagedKV:
-        """vLLM CPU attention: ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` storage, read as
-        ``[num_blocks, num_kv_heads, 2 * block_size, head_dim]``: per block and head, block_size rows
-        of K, then block_size rows of V."""
+        """vLLM CPU attention (its portable ``vec`` kernels): ``[num_blocks, num_kv_heads,
+        block_size, 2 * head_dim]`` storage; per block and head, the first ``block_size * head_dim``
+        elements hold K transposed (``[head_dim, block_size]``), the next V as rows
+        (``[block_size, head_dim]``). Checked against K/V computed by transformers."""
         if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
             raise ValueError(f"expected [blocks, heads, block_size, 2*head_dim], got {tuple(kv_cache.shape)}")
         nb, h, bs, d2 = kv_cache.shape
-        planes = kv_cache.view(nb, h, 2, bs, d2 // 2)
-        return cls(planes[:, :, 0].permute(0, 2, 1, 3), planes[:, :, 1].permute(0, 2, 1, 3))
+        d = d2 // 2
+        key = kv_cache.view(nb, h, 2, d, bs)[:, :, 0].permute(0, 3, 1, 2)     # [nb, bs, h, d]
+        value = kv_cache.view(nb, h, 2, bs, d)[:, :, 1].permute(0, 2, 1, 3)   # [nb, bs, h, d]
+        return cls(key, value)
+
+    @classmethod
+    def from_vllm(cls, kv_layer: torch.Tensor) -> PagedKV:
+        """The layer tensor vLLM registers: 4-D is the CPU layout; 5-D with a leading 2 is
+        FlashAttention's ``[2, blocks, ...]``; 5-D with 2 second is ``[blocks, 2, ...]``."""
+        if kv_layer.dim() == 4:
+            return cls.from_cpu(kv_layer)
+        if kv_layer.dim() == 5 and kv_layer.shape[0] == 2:
+            return cls.from_flash(kv_layer)
+        if kv_layer.dim() == 5 and kv_layer.shape[1] == 2:
+            return cls(kv_layer[:, 0], kv_layer[:, 1])
+        raise ValueError(f"unknown KV cache layout {tuple(kv_layer.shape)}")
 
     @classmethod
     def from_rows(cls, key: torch.Tensor, value: torch.Tensor) -> PagedKV:

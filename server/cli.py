@@ -68,7 +68,13 @@ def cmd_model_build(ns: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = {"kernel": "agentkv.benchmarks.kernel_bench"}
+BENCHMARKS = {
+    "kernel": "agentkv.benchmarks.kernel_bench",
+    "kv-memory": "agentkv.benchmarks.kv_memory",
+    "decode-throughput": "agentkv.benchmarks.decode_throughput",
+    "delayed-recall": "agentkv.benchmarks.delayed_recall",
+    "probe": "agentkv.benchmarks.probe",
+}
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:

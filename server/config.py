@@ -42,6 +42,11 @@ class ServeConfig(BaseModel):
     compact_at: float = Field(0.75, gt=0, le=1, description="default policy: summarize at this fraction of the window")
     server_tools: bool = Field(False, description="offer the server-executed recall and note tools to every request")
     max_server_tool_rounds: int = Field(4, ge=1, le=16, description="bound on server tool calls per request")
+    kv_reuse: Literal["recompute", "shift", "blend"] = Field(
+        "recompute", description="after clearing: recompute (exact), shift cached K/V with the kernel, or "
+                                 "blend (shift, recompute a tail); shift/blend load agentkv's vLLM KV connector")
+    blend_fraction: float = Field(0.15, ge=0, le=1, description="blend: fraction of the moved tokens recomputed")
+    kv_store_gib: float = Field(2.0, gt=0, description="connector: host memory for saved prompt K/V")
     max_request_mb: float = Field(32.0, gt=0, description="largest accepted request body (MiB)")
     session_db: str | None = Field(None, description="session log (SQLite path); default $AGENTKV_HOME/sessions.db")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
@@ -59,6 +64,10 @@ class ServeConfig(BaseModel):
         if any(not k for k in v):
             raise ValueError("an API key must not be empty")
         return v
+
+    @property
+    def kv_connector(self) -> bool:
+        return self.kv_reuse != "recompute"
 
     @property
     def session_db_path(self) -> str:

@@ -22,6 +22,8 @@ class Prepared:
     messages: list[Message]
     report: dict[str, Any]
     edits: list  # PromptEdit of clearing in this request, against the pre-clearing view prompt
+    old_ids: list[int]      # the pre-clearing view prompt (when clearing edited it)
+    prompt_ids: list[int]   # the final view prompt (when asked for)
 
 
 class ContextManager:
@@ -29,12 +31,13 @@ class ContextManager:
         self.sessions, self.renderer, self.summarizer = sessions, renderer, summarizer
 
     def prepare(self, key: str, session_id: str, messages: list[Message], tools: list | None,
-                policy: ContextManagement | None) -> Prepared:
+                policy: ContextManagement | None, want_ids: bool = False) -> Prepared:
         state = self.sessions.sync(key, messages)
         view, where = state.view(messages)
         before = self.renderer.count(messages, tools)
         applied: list[dict] = []
         kv_edits: list = []
+        old_ids: list[int] = []
         for edit in policy.edits if policy else []:
             if isinstance(edit, ClearToolUses):
                 r = clear_tool_uses(view, self.renderer, edit, tools)
@@ -42,7 +45,7 @@ class ContextManager:
                     continue
                 for i in {e.message_index for e in r.edits}:
                     state.replaced[where[i]] = r.messages[i]
-                kv_edits = r.edits
+                kv_edits, old_ids = r.edits, r.old_ids
                 view = r.messages
                 applied.append({"type": "clear_tool_uses", "cleared_tool_uses": r.cleared_tool_uses,
                                 "cleared_input_tokens": r.cleared_tokens,
@@ -58,11 +61,12 @@ class ContextManager:
                 state.summary_end = where[cut] if cut < len(where) else len(messages)
                 where = where[:head + 1] + where[cut:]
                 view = r.messages
-                kv_edits = []  # a summary rewrites the prompt from `head` on: nothing to shift
+                kv_edits, old_ids = [], []  # a summary rewrites the prompt from `head` on
                 applied.append({"type": "compact", "summarized_messages": r.summarized_messages,
                                 "summary_tokens": r.summary_tokens})
         self.sessions.save(key, state)
         after = self.renderer.count(view, tools) if applied or state.replaced or state.summary else before
         report = {"session_id": session_id, "applied_edits": applied,
                   "prompt_tokens_before": before, "prompt_tokens_after": after}
-        return Prepared(view, report, kv_edits)
+        ids = self.renderer.render(view, tools).token_ids if want_ids else []
+        return Prepared(view, report, kv_edits, old_ids, ids)

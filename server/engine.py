@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import importlib.metadata
+import json
 import logging
 import os
 import secrets
@@ -96,6 +97,13 @@ class EngineProcess:
             argv += ["--max-model-len", str(c.max_model_len)]
         if self.device == "cuda":
             argv += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+        if c.kv_connector:
+            from .kv_reuse import CONNECTOR
+
+            cfg = dict(CONNECTOR, kv_connector_extra_config={"store_gib": c.kv_store_gib})
+            # the connector saves a prompt only when it is prefilled in one step
+            argv += ["--kv-transfer-config", json.dumps(cfg),
+                     "--max-num-batched-tokens", str(c.max_model_len or 32768)]
         if c.enforce_eager if c.enforce_eager is not None else self.device == "cpu":
             argv.append("--enforce-eager")
         return argv + list(c.engine_args)

@@ -9,8 +9,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..compaction.policy import default_policy
-from . import chat, server_tools
+from . import chat, kv_reuse, server_tools
 from .deps import ContextDep, EngineDep, OwnerDep
+from .errors import APIError
 from .proxy import relay_stream, unavailable
 from .schemas import ChatCompletionRequest, CompletionRequest, forward_body
 from .sessions import session_key
@@ -27,8 +28,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, engine:
     policy = req.context_management
     if policy is None and cfg.context_management:
         policy = default_policy(request.app.state.supervisor.max_model_len, cfg.clear_at, cfg.compact_at)
-    prepared = await asyncio.to_thread(ctx.prepare, key, sid, body["messages"], body.get("tools"), policy)
+    prepared = await asyncio.to_thread(ctx.prepare, key, sid, body["messages"], body.get("tools"), policy,
+                                       cfg.kv_connector)
     body["messages"] = prepared.messages
+    if cfg.kv_connector:
+        await kv_reuse.attach(request.app.state, engine, body, key, prepared, req.kv_reuse or cfg.kv_reuse)
+    elif req.kv_reuse not in (None, "recompute"):
+        raise APIError(400, "this server recomputes after clearing; start it with --kv-reuse shift or blend "
+                            "to load the KV connector", param="kv_reuse")
     runner = None
     if req.server_tools if req.server_tools is not None else cfg.server_tools:
         body["tools"] = server_tools.with_server_tools(body.get("tools"))

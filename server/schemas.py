@@ -57,13 +57,14 @@ class ChatCompletionRequest(_Sampling):
     context_management: ContextManagement | None = None
     session_id: str | None = None
     server_tools: bool | None = None
+    kv_reuse: Literal["recompute", "shift", "blend"] | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
 
 
-AGENTKV_FIELDS = ("context_management", "session_id", "server_tools")
+AGENTKV_FIELDS = ("context_management", "session_id", "server_tools", "kv_reuse")
 
 
 def forward_body(req: _Sampling, model_name: str) -> dict[str, Any]:

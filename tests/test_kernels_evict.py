@@ -21,13 +21,15 @@ def make_cache(layout: str, blocks: int, block_size: int, heads: int, head_dim: 
 
 
 def clone(kv: PagedKV, layout: str) -> PagedKV:
-    """A deep copy with the same layout (the views share one storage, as in vLLM)."""
-    if layout == "flash":
-        return PagedKV.from_flash(torch.stack([kv.key, kv.value]).clone())
+    """A deep copy in a fresh buffer of the same layout (views into one storage, as in vLLM)."""
     nb, bs, h, d = kv.key.shape
-    storage = torch.empty(nb, h, 2, bs, d, dtype=kv.key.dtype)
-    storage[:, :, 0], storage[:, :, 1] = kv.key.permute(0, 2, 1, 3), kv.value.permute(0, 2, 1, 3)
-    return PagedKV.from_cpu(storage.view(nb, h, bs, 2 * d))
+    if layout == "flash":
+        out = PagedKV.from_flash(torch.empty(2, nb, bs, h, d, dtype=kv.key.dtype))
+    else:
+        out = PagedKV.from_cpu(torch.empty(nb, h, bs, 2 * d, dtype=kv.key.dtype))
+    out.key.copy_(kv.key)
+    out.value.copy_(kv.value)
+    return out
 
 
 @st.composite
@@ -140,3 +142,14 @@ def test_overlapping_spans_rejected():
         build_plan(10, [Span(1, 5), Span(4, 6)], torch.arange(4), torch.arange(4), 4)
     with pytest.raises(ValueError, match="blocks"):
         build_plan(10, [Span(1, 2, 5)], torch.arange(3), torch.arange(3), 4)
+
+
+def test_cpu_layout_views_match_vllm_storage():
+    """K of a block/head is stored transposed ([head_dim, block_size]), V as rows."""
+    nb, h, bs, d = 2, 3, 4, 8
+    raw = torch.arange(nb * h * bs * 2 * d, dtype=torch.float32).view(nb, h, bs, 2 * d)
+    kv = PagedKV.from_cpu(raw)
+    flat = raw.view(nb, h, 2 * bs * d)
+    for b, o, hh, j in [(0, 0, 0, 0), (1, 3, 2, 7), (0, 2, 1, 5)]:
+        assert kv.key[b, o, hh, j] == flat[b, hh, j * bs + o]
+        assert kv.value[b, o, hh, j] == flat[b, hh, bs * d + o * d + j]

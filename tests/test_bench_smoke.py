@@ -1,0 +1,29 @@
+"""Each engine benchmark at its --quick size against the real server: JSON + PNG, machine named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agentkv.server.cli import main
+
+
+@pytest.mark.parametrize("name", ["kv-memory", "decode-throughput", "delayed-recall", "probe"])
+def test_quick_benchmark_writes_results(server, tmp_path, name):
+    main(["bench", name, "--quick", "--url", server.base_url, "--api-key", server.api_key, "--out", str(tmp_path)])
+    result = json.loads((tmp_path / f"{name}-quick.json").read_text())
+    assert (tmp_path / f"{name}-quick.png").stat().st_size > 1000
+    assert result["machine"]["cpu"] and result["model"] == "agentkv-tiny"
+    if name == "kv-memory":
+        assert result["measured"]["bytes_per_token"] == result["served_model"]["formula_bytes_per_token"]
+        none = [r for r in result["session"] if r["policy"] == "none"]
+        cleared = [r for r in result["session"] if r["policy"] == "clearing"]
+        assert cleared[-1]["prompt_tokens"] < none[-1]["prompt_tokens"]
+    elif name == "decode-throughput":
+        assert all(r["aggregate_tok_s"] > 0 and r["ttft_s_mean"] > 0 for r in result["rows"])
+    elif name == "delayed-recall":
+        assert sum(r["answers"] for r in result["rows"]) == 4 * 12
+        assert all(r["correct"] + r["invented"] + r["not_sure"] == r["answers"] for r in result["rows"])
+    else:
+        assert {r["instructions"] for r in result["rows"]} == {"default", "guided"}

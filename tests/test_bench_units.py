@@ -1,0 +1,44 @@
+"""Benchmark logic that needs no engine: KV formulas and recall scoring."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentkv.benchmarks.kv_memory import kv_bytes, known_configs
+from agentkv.benchmarks.scenario import FACTS, SERVICES, Scenario, score
+
+
+def test_kv_bytes_for_known_shapes():
+    cfgs = known_configs()
+    assert kv_bytes(cfgs["llama-3-8b"], 1) == 2 * 32 * 8 * 128 * 2           # 128 KiB per token
+    assert kv_bytes(cfgs["llama-3-8b"], 1000, "fp8") == 1000 * 2 * 32 * 8 * 128
+    assert kv_bytes(cfgs["qwen2.5-7b"], 1) == 2 * 28 * 4 * 128 * 2           # GQA: 4 KV heads
+    assert kv_bytes(cfgs["deepseek-v3"], 1) == 61 * (512 + 64) * 2           # MLA latent + rope key
+    gemma = cfgs["gemma-2-9b"]                                               # 21 sliding + 21 full layers
+    per_layer = 2 * 8 * 256 * 2
+    assert kv_bytes(gemma, 10_000) == 21 * per_layer * 10_000 + 21 * per_layer * 4096
+    assert kv_bytes(gemma, 100) == 42 * per_layer * 100
+
+
+def test_kv_bytes_reads_transformers5_dtype_key():
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+           "dtype": "float32"}
+    assert kv_bytes(cfg, 1) == 2 * 2 * 2 * 32 * 4
+
+
+@pytest.mark.parametrize("answer, expected, outcome", [
+    ("8443", "8443", "correct"), ("The port is 8443.", "8443", "correct"), ("E2033 E3201 E5179", "E2033 E3201 E5179", "correct"),
+    ("Not sure.", "8443", "not_sure"), ("I don't know", "x", "not_sure"), ("8080", "8443", "invented"), ("", "1", "invented"),
+])
+def test_score(answer, expected, outcome):
+    assert score(answer, expected) == outcome
+
+
+def test_scenario_is_seeded_and_plants_every_asked_fact():
+    a, b, c = Scenario.make(3), Scenario.make(3), Scenario.make(4)
+    assert a.opening == b.opening and a.questions == b.questions and a.opening != c.opening
+    assert len(a.questions) == 12 and {q.phase for q in a.questions} == {0, 1, 2}
+    reports = {SERVICES[i]: a.opening[3 + 2 * i]["content"] for i in range(len(SERVICES))}
+    for q in a.questions:
+        assert q.fact in FACTS and f"{q.fact} = {q.answer}" in reports[q.service]
+    assert all(90 <= len(r.splitlines()) <= 100 for r in reports.values())

@@ -1,0 +1,79 @@
+"""KV reuse through the real engine: the connector shifts cached K/V after clearing.
+
+With the 1-layer embedded model, `shift` must give the next-token logprobs of `recompute`
+(layer-0 K/V are position-shift exact), and must really reuse (more cached tokens)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from conftest import start_server
+
+from agentkv.server.embedded_model import TinyModelSpec, build_model
+
+CLEAR = {"edits": [{"type": "clear_tool_uses", "trigger": 0, "keep": 1}]}
+NONE = {"edits": []}
+
+
+@pytest.fixture(scope="module")
+def shift_server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("kv-home")
+    model = build_model(home / "tiny-1l", TinyModelSpec(layers=1))
+    srv = start_server(home, "--model", str(model), "--served-model-name", "agentkv-tiny",
+                       "--kv-reuse", "shift", "--max-model-len", "8192")
+    yield srv
+    srv.stop()
+
+
+def conversation() -> list[dict]:
+    msgs = [{"role": "system", "content": "agent"}, {"role": "user", "content": "run the checks"}]
+    for i, svc in enumerate(("media", "auth", "billing")):
+        out = "\n".join(f"{svc} probe {j}: latency {j * 7 % 300} ms ok" for j in range(70))
+        msgs += [{"role": "assistant", "content": None, "tool_calls": [
+                     {"id": f"c{i}", "type": "function",
+                      "function": {"name": "bash", "arguments": json.dumps({"cmd": f"diag {svc}"})}}]},
+                 {"role": "tool", "tool_call_id": f"c{i}", "content": out}]
+    return msgs
+
+
+def ask(server, msgs, sid, cm, mode):
+    # each run gets its own cache salt: the reference must not hit blocks the shifted run cached
+    r = server.http().post("/v1/chat/completions", headers={"X-Session-Id": sid}, json={
+        "model": "agentkv-tiny", "messages": msgs, "max_tokens": 1, "temperature": 0, "logprobs": True,
+        "top_logprobs": 5, "context_management": cm, "kv_reuse": mode, "cache_salt": sid})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def top(body) -> dict[str, float]:
+    return {t["token"]: t["logprob"] for t in body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]}
+
+
+def test_shift_equals_recompute_at_layer0_and_reuses(shift_server):
+    msgs = conversation()
+    later = msgs + [{"role": "user", "content": "which service is slow?"}]
+    sid = f"k-{uuid.uuid4().hex[:8]}"
+    ask(shift_server, msgs, sid, NONE, "shift")                       # saved: the source prompt
+    shifted = ask(shift_server, later, sid, CLEAR, "shift")
+    edit = shifted["context_management"]["applied_edits"][0]
+    assert edit["kv"]["mode"] == "shift" and edit["kv"]["planned_reuse_tokens"] > 500
+
+    ref_sid = f"r-{uuid.uuid4().hex[:8]}"
+    ask(shift_server, msgs, ref_sid, NONE, "recompute")
+    recomputed = ask(shift_server, later, ref_sid, CLEAR, "recompute")
+    assert shifted["usage"]["prompt_tokens"] == recomputed["usage"]["prompt_tokens"]
+    a, b = top(shifted), top(recomputed)
+    assert list(a)[0] == list(b)[0]                                     # same top-1
+    for tok in set(a) & set(b):
+        assert abs(a[tok] - b[tok]) < 2e-3, (tok, a[tok], b[tok])
+    cached_shift = shifted["usage"]["prompt_tokens_details"]["cached_tokens"]
+    cached_ref = recomputed["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached_shift >= cached_ref + 256, (cached_shift, cached_ref)
+
+
+def test_recompute_only_server_refuses_shift_requests(server):
+    r = server.http().post("/v1/chat/completions", json={
+        "model": "agentkv-tiny", "messages": [{"role": "user", "content": "x"}], "kv_reuse": "shift"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_reuse"
