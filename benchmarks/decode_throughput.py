@@ -15,7 +15,7 @@ import time
 
 import httpx
 
-from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, write_results
+from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, write_results, pyplot
 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], tokens: int) -> dict:
@@ -52,10 +52,7 @@ async def measure(url: str, api_key: str | None, model: str, vocab: int, context
 
 
 def plot(rows: list[dict], title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for batch in sorted({r["batch"] for r in rows}):

@@ -10,7 +10,7 @@ import argparse
 import uuid
 from collections import Counter
 
-from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, write_results
+from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, write_results, pyplot
 from .scenario import Scenario, score
 
 OUTCOMES = ("correct", "invented", "not_sure")
@@ -67,10 +67,7 @@ def summarize_runs(runs: list[dict]) -> list[dict]:
 
 
 def plot(rows: list[dict], title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = [f"{r['setup']}{' + recall' if r['recall'] else ''}" for r in rows]
     fig, ax = plt.subplots(figsize=(10, 4))

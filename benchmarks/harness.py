@@ -48,6 +48,16 @@ def machine_line(m: dict) -> str:
     return f"{where} | torch {m['torch']} | vllm {m['vllm']} | triton {m['triton']}"
 
 
+def pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend (benchmarks only write files)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def write_results(name: str, payload: dict, figure, out_dir: Path = RESULTS) -> tuple[Path, Path]:
     """Write ``<out_dir>/<name>.json`` and ``<out_dir>/<name>.png``; return both paths."""
     out_dir = Path(out_dir)

@@ -16,7 +16,7 @@ import torch
 
 from ..kernels import PagedKV, RopeParams, Span, build_plan
 from ..kernels.evict import apply_plan
-from .harness import RESULTS, machine, machine_line, print_table, write_results
+from .harness import RESULTS, machine, machine_line, print_table, write_results, pyplot
 
 
 @dataclass(frozen=True)
@@ -109,10 +109,7 @@ def run(quick: bool = False, layers: int | None = None, max_loop_tokens: int | N
 
 
 def plot(result: dict):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for backend in sorted({r["backend"] for r in result["rows"]}):

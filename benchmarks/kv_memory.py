@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from .harness import RESULTS, machine, machine_line, print_table, write_results
+from .harness import RESULTS, machine, machine_line, print_table, write_results, pyplot
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -103,10 +103,7 @@ def session_turns(http, model: str, window: int, bytes_per_token: float, quick: 
 
 
 def plot(result: dict):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     bf16 = [r for r in result["configs"] if r["kv_dtype"] != "fp8"]

@@ -14,7 +14,7 @@ import random
 from ..compaction.config import Compact
 from ..compaction.prompt import PromptRenderer
 from ..compaction.summarize import OpenAIModelClient, summarize
-from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, write_results
+from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, write_results, pyplot
 from .scenario import score
 
 GUIDED = ("Write a handoff note. Preserve every number, name, date, time, identifier and threshold "
@@ -70,10 +70,7 @@ def probe(client, model: str, renderer: PromptRenderer, docs: list[dict], instru
 
 
 def plot(rows: list[dict], title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"{r['instructions']} / {r['kind']}" for r in rows]

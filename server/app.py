@@ -16,6 +16,7 @@ from .deps import Authorized, SupervisorDep
 from .errors import install_error_handlers
 from .limits import BodyLimit
 from .metrics import LATENCY, REQUESTS, render
+from .routes_anthropic import router as anthropic_router
 from .routes_openai import router as openai_router
 from .sessions import Sessions
 from .supervisor import Supervisor
@@ -38,6 +39,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=int(cfg.max_request_mb * 2**20))
     app.include_router(openai_router)
+    app.include_router(anthropic_router)
 
     @app.middleware("http")
     async def _count(request: Request, call_next):

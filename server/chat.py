@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..compaction.session_log import SessionLog
 from . import server_tools
 from .errors import error_body
+from .metrics import observe_usage
 from .proxy import EngineClient, unavailable
 
 PATH = "/v1/chat/completions"
@@ -99,6 +100,7 @@ async def complete(engine: EngineClient, body: dict, report: dict | None, runner
         return unavailable(exc)
     if usage is not None:
         payload["usage"] = usage
+    observe_usage(usage)
     payload.update(_extra(report, annotations))
     return JSONResponse(payload)
 
@@ -190,6 +192,7 @@ async def stream(engine: EngineClient, body: dict, report: dict | None, runner: 
                     yield _sse(last)
                 last = chunk
             break
+        observe_usage(usage)
         if usage is not None:
             if last is not None:
                 yield _sse(last)

@@ -74,6 +74,7 @@ BENCHMARKS = {
     "decode-throughput": "agentkv.benchmarks.decode_throughput",
     "delayed-recall": "agentkv.benchmarks.delayed_recall",
     "probe": "agentkv.benchmarks.probe",
+    "clear-vs-recompute": "agentkv.benchmarks.clear_vs_recompute",
 }
 
 

@@ -36,18 +36,28 @@ def _loc_to_param(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
+def _respond(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
+             headers: dict | None = None) -> JSONResponse:
+    """OpenAI's error body, or Anthropic's (``{"type": "error", "error": {...}}``) on /v1/messages."""
+    if request.url.path.startswith("/v1/messages"):
+        body = error_body(status, message, param, code)["error"]
+        return JSONResponse({"type": "error", "error": {"type": body["type"], "message": message}},
+                            status_code=status, headers=headers)
+    return error_response(status, message, param, code, headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _respond(request, exc.status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         param = _loc_to_param(tuple(first.get("loc", ())))
         where = f"'{param}': " if param else ""
-        return error_response(400, f"{where}{first.get('msg', 'invalid request')}", param)
+        return _respond(request, 400, f"{where}{first.get('msg', 'invalid request')}", param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _respond(request, exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))

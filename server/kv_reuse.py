@@ -16,6 +16,7 @@ from typing import Literal
 
 from ..kernels.connector import prompt_hash
 from ..kernels.plan import Span, build_plan
+from .metrics import KV_PLANNED, KV_PRIMED
 
 Mode = Literal["recompute", "shift", "blend"]
 MAX_SESSIONS = 4096
@@ -111,6 +112,8 @@ async def attach(state, engine, body: dict, session: str, prepared, mode: Mode) 
                 plan.load = None
         if plan.load:
             params["load"] = plan.load
+        KV_PLANNED.labels(mode).inc(plan.planned_tokens if plan.load else 0)
+        KV_PRIMED.inc(len(plan.prime_ids or []))
         for edit in prepared.report["applied_edits"]:
             if edit["type"] == "clear_tool_uses":
                 edit["kv"] = {"mode": mode, "planned_reuse_tokens": plan.planned_tokens if plan.load else 0,

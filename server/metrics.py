@@ -12,6 +12,21 @@ LATENCY = Histogram("agentkv_request_seconds", "Time to answer (to the last byte
                     ["route"], registry=REGISTRY)
 ENGINE_UP = Gauge("agentkv_engine_up", "1 while the vLLM engine answers /health", registry=REGISTRY)
 ENGINE_STARTS = Counter("agentkv_engine_starts", "vLLM engine launches", registry=REGISTRY)
+KV_PLANNED = Counter("agentkv_kv_planned_reuse_tokens", "Tokens the front asked the KV connector to shift "
+                     "after clearing (vllm:external_prefix_cache_hits counts what it supplied)", ["mode"],
+                     registry=REGISTRY)
+KV_PRIMED = Counter("agentkv_kv_primed_tokens", "Prompt tokens of priming requests (placeholders computed "
+                    "for shifting)", registry=REGISTRY)
+PROMPT_TOKENS = Counter("agentkv_prompt_tokens", "Chat prompt tokens by how the engine got their K/V "
+                        "(cached: prefix cache or connector; computed: prefilled)", ["source"], registry=REGISTRY)
+
+
+def observe_usage(usage: dict | None) -> None:
+    if not usage:
+        return
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    PROMPT_TOKENS.labels("cached").inc(cached)
+    PROMPT_TOKENS.labels("computed").inc(max(0, usage.get("prompt_tokens", 0) - cached))
 
 
 def render(engine_text: str) -> bytes:

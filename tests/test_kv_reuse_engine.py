@@ -71,6 +71,10 @@ def test_shift_equals_recompute_at_layer0_and_reuses(shift_server):
     cached_shift = shifted["usage"]["prompt_tokens_details"]["cached_tokens"]
     cached_ref = recomputed["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached_shift >= cached_ref + 256, (cached_shift, cached_ref)
+    metrics = shift_server.http().get("/metrics").text
+    assert 'agentkv_kv_planned_reuse_tokens_total{mode="shift"}' in metrics
+    hits = [line for line in metrics.splitlines() if line.startswith("vllm:external_prefix_cache_hits_total")]
+    assert hits and float(hits[0].split()[-1]) > 0          # tokens the connector supplied
 
 
 def test_recompute_only_server_refuses_shift_requests(server):

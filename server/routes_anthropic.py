@@ -1,0 +1,99 @@
+"""Anthropic Messages API, POST /v1/messages, on the same engine and context management.
+
+The body is converted to OpenAI messages for the session log and the policy, the managed view is
+converted back and sent to vLLM's own /v1/messages. `context_management` is added to the response
+(and to the stream's `message_delta` event)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Literal
+
+import httpx
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..compaction.policy import ContextManagement, default_policy
+from .anthropic_format import to_anthropic, to_openai, tools_to_openai
+from .deps import ContextDep, EngineDep, OwnerDep
+from .proxy import unavailable
+from .sessions import session_key
+
+router = APIRouter(prefix="/v1")
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[AnthropicMessage] = Field(..., min_length=1, max_length=20_000)
+    max_tokens: int = Field(..., ge=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    stream: bool = False
+    context_management: ContextManagement | None = None
+    session_id: str | None = None
+
+
+async def _stream(resp: httpx.Response, report: dict):
+    """Relay Anthropic SSE events; the `message_delta` event gains `context_management`."""
+    buf = b""
+    try:
+        async for chunk in resp.aiter_raw():
+            buf += chunk
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                text = event.decode()
+                if "event: message_delta" in text:
+                    lines = text.splitlines()
+                    for i, line in enumerate(lines):
+                        if line.startswith("data:"):
+                            data = json.loads(line[5:])
+                            data["context_management"] = report
+                            lines[i] = "data: " + json.dumps(data)
+                    text = "\n".join(lines)
+                yield (text + "\n\n").encode()
+        if buf:
+            yield buf
+    finally:
+        await resp.aclose()
+
+
+@router.post("/messages")
+async def messages(req: MessagesRequest, request: Request, engine: EngineDep, owner: OwnerDep,
+                   ctx: ContextDep) -> Response:
+    cfg = request.app.state.cfg
+    body = req.model_dump(exclude_unset=True, exclude={"context_management", "session_id"})
+    body["model"] = req.model or cfg.model_name
+    conversation = to_openai(body.get("system"), body["messages"])
+    key, sid = session_key(owner, request.headers.get("x-session-id") or req.session_id, conversation)
+    policy = req.context_management
+    if policy is None and cfg.context_management:
+        policy = default_policy(request.app.state.supervisor.max_model_len, cfg.clear_at, cfg.compact_at)
+    prepared = await asyncio.to_thread(ctx.prepare, key, sid, conversation, tools_to_openai(body.get("tools")),
+                                       policy)
+    system, body["messages"] = to_anthropic(prepared.messages)
+    if system:
+        body["system"] = system
+    try:
+        if body.get("stream"):
+            resp = await engine.post_stream("/v1/messages", body)
+            if resp.status_code != 200:
+                await resp.aread()
+                await resp.aclose()
+                return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+            return StreamingResponse(_stream(resp, prepared.report), media_type="text/event-stream",
+                                     headers={"X-Session-Id": sid})
+        status, payload = await engine.post_json("/v1/messages", body)
+    except httpx.TransportError as exc:
+        return unavailable(exc)
+    if status == 200:
+        payload["context_management"] = prepared.report
+    return JSONResponse(payload, status_code=status, headers={"X-Session-Id": sid})
