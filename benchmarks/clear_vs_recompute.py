@@ -36,7 +36,8 @@ def conversation(context: int) -> list[dict]:
 
 
 def clear_middle(n_uses: int) -> dict:
-    """Clear the tool results in the middle third (the ones before keep the prefix cache warm)."""
+    """Clear every tool result but the newest third: the cleared spans sit between the task and the
+    kept recent tool uses, whose K/V shift moves."""
     return {"edits": [{"type": "clear_tool_uses", "trigger": 0, "keep": max(1, n_uses // 3)}]}
 
 
@@ -56,10 +57,19 @@ def ask(http, model, msgs, sid, cm, mode, max_tokens, stream=False):
         for line in r.iter_lines():
             if line.startswith("data:") and line.strip() != "data: [DONE]":
                 chunk = json.loads(line[5:])
-                if first is None and chunk.get("choices") and (chunk["choices"][0].get("delta") or {}).get("content"):
+                choice = (chunk.get("choices") or [{}])[0]
+                if first is None and ((choice.get("delta") or {}).get("content")
+                                      or (choice.get("logprobs") or {}).get("content")):
                     first = time.perf_counter() - t0
                 chunks.append(chunk)
     return chunks, first
+
+
+def as_body(chunks: list[dict]) -> dict:
+    """The streamed chunks' per-token logprobs, shaped like a non-streamed response."""
+    content = [lp for c in chunks if c.get("choices") for lp in ((c["choices"][0].get("logprobs") or {})
+                                                                 .get("content") or [])]
+    return {"choices": [{"logprobs": {"content": content}}]}
 
 
 def fidelity(ref: dict, got: dict) -> dict:
@@ -92,14 +102,10 @@ def run(ep: Endpoint, contexts: list[int], max_tokens: int) -> list[dict]:
             for mode in MODES:
                 sid = f"cvr-{mode}-{uuid.uuid4().hex[:8]}"
                 ask(http, model, msgs, sid, {"edits": []}, mode, 1)          # the saved source prompt
-                chunks, ttft = ask(http, model, later, sid, cm, mode, 1, stream=True)
+                chunks, ttft = ask(http, model, later, sid, cm, mode, max_tokens, stream=True)
                 usage = next(c["usage"] for c in reversed(chunks) if c.get("usage"))
                 report = next(c["context_management"] for c in reversed(chunks) if c.get("context_management"))
-                # the same request again, non-streamed and salted apart, for logprobs and greedy text
-                sid2 = f"cvr2-{mode}-{uuid.uuid4().hex[:8]}"
-                ask(http, model, msgs, sid2, {"edits": []}, mode, 1)
-                body, _ = ask(http, model, later, sid2, cm, mode, max_tokens)
-                results[mode] = (ttft, usage, report, body)
+                results[mode] = (ttft, usage, report, as_body(chunks))
             ref = results["recompute"][3]
             for mode, (ttft, usage, report, body) in results.items():
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
