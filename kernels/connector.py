@@ -105,6 +105,9 @@ class AgentKVConnector(KVConnectorBase_V1):
         except (UnsupportedShift, AttributeError, KeyError) as exc:
             log.warning("agentkv connector: shifting disabled (%s); every request recomputes", exc)
             self.rope = None
+        if str(vllm_config.cache_config.cache_dtype).startswith("fp8"):
+            log.warning("agentkv connector: fp8 KV cache (rotating it needs its scales); shifting disabled")
+            self.rope = None
         # scheduler side
         self._pending: dict[str, dict] = {}
         # worker side

@@ -16,7 +16,7 @@ from ..compaction.session_log import SessionLog
 from . import server_tools
 from .errors import error_body
 from .metrics import observe_usage
-from .proxy import EngineClient, unavailable
+from .proxy import EngineClient, json_of, relay_stream, unavailable
 
 PATH = "/v1/chat/completions"
 
@@ -130,8 +130,6 @@ async def stream(engine: EngineClient, body: dict, report: dict | None, runner: 
     except httpx.TransportError as exc:
         return unavailable(exc)
     if first.status_code != 200:
-        from .proxy import relay_stream
-
         return await relay_stream(first)
 
     async def gen() -> AsyncIterator[bytes]:
@@ -175,6 +173,11 @@ async def stream(engine: EngineClient, body: dict, report: dict | None, runner: 
                     resp = await engine.post_stream(PATH, body)
                 except httpx.TransportError as exc:
                     yield _sse(error_body(503, f"the inference engine is unavailable: {exc.__class__.__name__}"))
+                    break
+                if resp.status_code != 200:  # the follow-up was refused (e.g. the context is full)
+                    await resp.aread()
+                    await resp.aclose()
+                    yield _sse(json_of(resp)[1])
                     break
                 continue
             if runner and ours:

@@ -12,7 +12,7 @@ from starlette.background import BackgroundTask
 from .errors import error_body, error_response
 
 
-def _json_of(r: httpx.Response) -> tuple[int, Any]:
+def json_of(r: httpx.Response) -> tuple[int, Any]:
     try:
         return r.status_code, r.json()
     except ValueError:
@@ -38,10 +38,10 @@ class EngineClient:
         return r.status_code, r.text
 
     async def get_json(self, path: str) -> tuple[int, Any]:
-        return _json_of(await self._http.get(path))
+        return json_of(await self._http.get(path))
 
     async def post_json(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-        return _json_of(await self._http.post(path, json=body))
+        return json_of(await self._http.post(path, json=body))
 
     async def post_stream(self, path: str, body: dict[str, Any]) -> httpx.Response:
         """Open a streamed POST; the caller must ``aclose()`` the response."""
@@ -58,7 +58,7 @@ async def relay_stream(resp: httpx.Response) -> Response:
     if resp.status_code != 200:
         await resp.aread()
         await resp.aclose()
-        status, payload = _json_of(resp)
+        status, payload = json_of(resp)
         return JSONResponse(payload, status_code=status)
 
     async def body() -> AsyncIterator[bytes]:
