@@ -14,7 +14,6 @@ import math
 import time
 import uuid
 
-import httpx
 
 from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, write_results, pyplot
 
