@@ -115,7 +115,6 @@ class AgentKVConnector(KVConnectorBase_V1):
         self.caches: dict[str, PagedKV] = {}
         self._load_errors: set[int] = set()
         self._saving: dict[str, Any] = {}
-        self.stats = {"loaded_tokens": 0, "load_seconds": 0.0, "saved_prompts": 0}
 
     # ---- scheduler side -------------------------------------------------------------------
     @staticmethod
@@ -218,8 +217,6 @@ class AgentKVConnector(KVConnectorBase_V1):
                     pos = torch.arange(d, d + (b - a))
                     move_tokens(src, cache, torch.arange(a, b), self._slots(spec.block_ids, pos, cache.block_size),
                                 torch.full((b - a,), d - a, dtype=torch.int64), self.rope)
-            self.stats["loaded_tokens"] += spec.end - spec.start
-        self.stats["load_seconds"] += time.perf_counter() - t0
         log.info("agentkv connector: loaded %d tokens in %.4f s", sum(s.end - s.start for s in meta.loads),
                  time.perf_counter() - t0)
 
@@ -239,9 +236,7 @@ class AgentKVConnector(KVConnectorBase_V1):
             self.store.save_layer(entry, layer_name, cache, self._slots(spec.block_ids, pos, cache.block_size))
 
     def wait_for_save(self) -> None:
-        if self._saving:
-            self.stats["saved_prompts"] += len(self._saving)
-            self._saving.clear()
+        self._saving.clear()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

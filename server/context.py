@@ -11,10 +11,10 @@ from typing import Any
 
 from ..compaction.clearing import clear_tool_uses
 from ..compaction.config import ClearToolUses
-from ..compaction.policy import ContextManagement
+from ..compaction.policy import ContextManagement, default_policy
 from ..compaction.prompt import Message, PromptRenderer
 from ..compaction.summarize import ModelClient, summarize
-from .sessions import Sessions
+from .sessions import Sessions, session_key
 
 
 @dataclass
@@ -70,3 +70,17 @@ class ContextManager:
                   "prompt_tokens_before": before, "prompt_tokens_after": after}
         ids = self.renderer.render(view, tools).token_ids if want_ids else []
         return Prepared(view, report, kv_edits, old_ids, ids)
+
+
+async def manage(ctx: ContextManager, cfg, window: int, owner: str, session_id: str | None,
+                 conversation: list[Message], tools: list | None, requested: ContextManagement | None,
+                 want_ids: bool = False) -> tuple[str, str, Prepared]:
+    """The request path's compaction step for any API: the session, the policy (the request's, else
+    the server default when enabled), then ``prepare`` off the event loop."""
+    import asyncio
+
+    key, sid = session_key(owner, session_id, conversation)
+    policy = requested
+    if policy is None and cfg.context_management:
+        policy = default_policy(window, cfg.clear_at, cfg.compact_at)
+    return key, sid, await asyncio.to_thread(ctx.prepare, key, sid, conversation, tools, policy, want_ids)

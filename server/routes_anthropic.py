@@ -6,7 +6,6 @@ converted back and sent to vLLM's own /v1/messages. `context_management` is adde
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any, Literal
 
@@ -15,11 +14,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..compaction.policy import ContextManagement, default_policy
+from ..compaction.policy import ContextManagement
 from .anthropic_format import to_anthropic, to_openai, tools_to_openai
 from .deps import ContextDep, EngineDep, OwnerDep
 from .proxy import unavailable
-from .sessions import session_key
+from .context import manage
 
 router = APIRouter(prefix="/v1")
 
@@ -73,12 +72,9 @@ async def messages(req: MessagesRequest, request: Request, engine: EngineDep, ow
     body = req.model_dump(exclude_unset=True, exclude={"context_management", "session_id"})
     body["model"] = req.model or cfg.model_name
     conversation = to_openai(body.get("system"), body["messages"])
-    key, sid = session_key(owner, request.headers.get("x-session-id") or req.session_id, conversation)
-    policy = req.context_management
-    if policy is None and cfg.context_management:
-        policy = default_policy(request.app.state.supervisor.max_model_len, cfg.clear_at, cfg.compact_at)
-    prepared = await asyncio.to_thread(ctx.prepare, key, sid, conversation, tools_to_openai(body.get("tools")),
-                                       policy)
+    _, sid, prepared = await manage(ctx, cfg, request.app.state.supervisor.max_model_len, owner,
+                                    request.headers.get("x-session-id") or req.session_id, conversation,
+                                    tools_to_openai(body.get("tools")), req.context_management)
     system, body["messages"] = to_anthropic(prepared.messages)
     if system:
         body["system"] = system

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..compaction.policy import default_policy
 from . import chat, kv_reuse, server_tools
 from .deps import ContextDep, EngineDep, OwnerDep
 from .errors import APIError
 from .proxy import relay_stream, unavailable
 from .schemas import ChatCompletionRequest, CompletionRequest, forward_body
-from .sessions import session_key
+from .context import manage
 
 router = APIRouter(prefix="/v1")
 
@@ -24,12 +21,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, engine:
                            owner: OwnerDep, ctx: ContextDep) -> Response:
     cfg = request.app.state.cfg
     body = forward_body(req, cfg.model_name)
-    key, sid = session_key(owner, request.headers.get("x-session-id") or req.session_id, body["messages"])
-    policy = req.context_management
-    if policy is None and cfg.context_management:
-        policy = default_policy(request.app.state.supervisor.max_model_len, cfg.clear_at, cfg.compact_at)
-    prepared = await asyncio.to_thread(ctx.prepare, key, sid, body["messages"], body.get("tools"), policy,
-                                       cfg.kv_connector)
+    key, sid, prepared = await manage(ctx, cfg, request.app.state.supervisor.max_model_len, owner,
+                                      request.headers.get("x-session-id") or req.session_id, body["messages"],
+                                      body.get("tools"), req.context_management, cfg.kv_connector)
     body["messages"] = prepared.messages
     if cfg.kv_connector:
         await kv_reuse.attach(request.app.state, engine, body, key, prepared, req.kv_reuse or cfg.kv_reuse)
