@@ -2,18 +2,15 @@
 
 Words, not a phrase: every word must occur in the message or in the call it answered (so
 ``media timeout`` finds ``timeout_ms = 1050`` in the output of ``diag.py media``); each word also
-matches as a prefix (``timeout`` matches ``timeout_ms``). Tool outputs rank first, then BM25.
+matches as a prefix (``timeout`` matches ``timeout_ms``). Tool outputs rank first, then BM25 (SQLite) or the most recent (PostgreSQL).
 Returns the matching lines with their message id.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from .session_log import SessionLog
-
-_WORD = re.compile(r"[^\W_]+", re.UNICODE)
+from .session_log import WORD as _WORD, SessionLog, words as _words
 
 
 @dataclass(frozen=True)
@@ -22,10 +19,6 @@ class Hit:
     role: str
     call: str
     lines: tuple[str, ...]
-
-
-def _words(query: str) -> list[str]:
-    return [w.lower() for w in _WORD.findall(query)]
 
 
 def _matches(text: str, word: str) -> bool:
@@ -48,15 +41,8 @@ def recall(log: SessionLog, session: str, query: str, limit: int = 5, max_lines:
     if not words:
         return []
     hits: list[Hit] = []
-    for op in (" AND ", " OR "):  # all words first; any word if nothing has all of them
-        match = op.join(f'"{w}"*' for w in words)
-        with log.lock:
-            rows = log.conn.execute(
-                "SELECT m.id, m.role, m.call, m.body FROM messages_fts f JOIN messages m ON m.id = f.rowid "
-                "WHERE messages_fts MATCH ? AND m.session = ? "
-                "ORDER BY (m.role = 'tool') DESC, bm25(messages_fts) LIMIT ?",
-                (match, session, limit)).fetchall()
-        for mid, role, call, body in rows:
+    for all_words in (True, False):  # all words first; any word if nothing has all of them
+        for mid, role, call, body in log.search(session, words, all_words, limit):
             lines = _matching_lines(body, call, words, max_lines) or tuple(body.splitlines()[:1])
             hits.append(Hit(mid, role, call, lines))
         if hits:

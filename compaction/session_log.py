@@ -1,45 +1,31 @@
-"""The session log: every message of every session, appended before any edit, in SQLite (WAL)
-with an FTS5 index. Compaction is a view over it; the log always rebuilds the full history."""
+"""The session log: every message of every session, appended before any edit, with a word index.
+Compaction is a view over it; the log always rebuilds the full history.
+
+One class holds the logic; a backend supplies the connection, the schema, transactions and the
+word search: SQLite (WAL + FTS5, the default, `session_log_sqlite`) or PostgreSQL (tsvector + GIN,
+`session_log_postgres`, for several replicas sharing one log). `open_session_log` picks one.
+"""
 
 from __future__ import annotations
 
 import json
-import sqlite3
+import re
 import threading
 import time
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any, Callable
 
 from .prompt import Message, content_text as _text
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS messages (
-    id INTEGER PRIMARY KEY,
-    session TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    role TEXT NOT NULL,
-    call TEXT NOT NULL DEFAULT '',   -- tool output: name and arguments of the call it answers
-    body TEXT NOT NULL,              -- searchable text
-    message TEXT NOT NULL,           -- the message as received (JSON)
-    created REAL NOT NULL,
-    UNIQUE (session, seq)
-);
-CREATE TABLE IF NOT EXISTS calls (
-    session TEXT NOT NULL, call_id TEXT NOT NULL, name TEXT NOT NULL, arguments TEXT NOT NULL,
-    PRIMARY KEY (session, call_id)
-);
-CREATE TABLE IF NOT EXISTS notes (
-    id INTEGER PRIMARY KEY, session TEXT NOT NULL, kind TEXT NOT NULL, text TEXT NOT NULL,
-    created REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS views (            -- per-session state of the compacted view (JSON)
-    session TEXT PRIMARY KEY, state TEXT NOT NULL
-);
-CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts
-    USING fts5(body, call, content='messages', content_rowid='id', tokenize='unicode61');
-CREATE TRIGGER IF NOT EXISTS messages_ai AFTER INSERT ON messages BEGIN
-    INSERT INTO messages_fts(rowid, body, call) VALUES (new.id, new.body, new.call);
-END;
-"""
+WORD = re.compile(r"[^\W_]+", re.UNICODE)
+Exec = Callable[[str, tuple], Any]  # run one statement, return a DB-API cursor
+
+
+def words(text: str) -> list[str]:
+    """The searchable words of ``text``, lowercased (the same split for every backend)."""
+    return [w.lower() for w in WORD.findall(text)]
 
 
 def _args(fn: dict) -> str:
@@ -47,82 +33,104 @@ def _args(fn: dict) -> str:
     return a if isinstance(a, str) else json.dumps(a)
 
 
-class SessionLog:
-    """Thread-safe; one connection. Appends are one transaction each (all or nothing)."""
+def _clean(text: str) -> str:
+    return text.replace("\x00", "")  # no backend indexes NUL; the JSON copy keeps it escaped
 
-    def __init__(self, path: str | Path):
-        self.path = str(path)
-        if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self.conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self.lock = threading.Lock()
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=NORMAL")  # durable across a killed process
-        self.conn.executescript(SCHEMA)
 
-    def close(self) -> None:
-        self.conn.close()
+class SessionLog(ABC):
+    """Thread-safe; one connection per process. Appends are one transaction each (all or nothing).
+    SQL is written once with ``?`` placeholders and upserts/RETURNING both backends accept."""
 
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+
+    # -- backend -----------------------------------------------------------------------------
+    @abstractmethod
+    def _transaction(self) -> AbstractContextManager[Exec]:
+        """Hold the lock, begin; yield an executor; commit (roll back on error)."""
+
+    @abstractmethod
+    def _execute(self, sql: str, params: tuple = ()) -> Any:
+        """One statement on its own (autocommit), under the lock; returns the fetched rows."""
+
+    @abstractmethod
+    def _insert_message(self, run: Exec, row: tuple, terms: str) -> int:
+        """Insert (session, seq, role, call, body, message, created) and index it; return its id."""
+
+    @abstractmethod
+    def search(self, session: str, query_words: list[str], all_words: bool, limit: int) -> list[tuple]:
+        """(id, role, call, body) of messages of ``session`` holding every word of ``query_words``
+        (any word when not ``all_words``), each word also as a prefix; tool outputs first, then rank."""
+
+    def _lock_session(self, run: Exec, session: str) -> None:
+        """Serialize appends to one session across processes (where the backend needs it)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    # -- the log -----------------------------------------------------------------------------
     def count(self, session: str) -> int:
-        with self.lock:
-            return self.conn.execute("SELECT COUNT(*) FROM messages WHERE session=?", (session,)).fetchone()[0]
+        return self._execute("SELECT COUNT(*) FROM messages WHERE session=?", (session,))[0][0]
 
     def append(self, session: str, messages: list[Message]) -> list[int]:
         """Append ``messages`` to the end of ``session``; return their ids."""
         now = time.time()
-        with self.lock:
-            cur = self.conn.cursor()
-            cur.execute("BEGIN IMMEDIATE")
-            try:
-                seq = cur.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE session=?",
-                                  (session,)).fetchone()[0]
-                ids = []
-                for m in messages:
-                    call = ""
-                    for c in m.get("tool_calls") or []:
-                        fn = c.get("function", {})
-                        cur.execute("INSERT OR REPLACE INTO calls VALUES (?, ?, ?, ?)",
-                                    (session, c.get("id", ""), fn.get("name", ""), _args(fn)))
-                    if m.get("role") == "tool":
-                        row = cur.execute("SELECT name, arguments FROM calls WHERE session=? AND call_id=?",
-                                          (session, m.get("tool_call_id", ""))).fetchone()
-                        call = " ".join(row) if row else m.get("name", "") or ""
-                    body = _text(m.get("content")) + "".join(
-                        f"\n{c['function'].get('name', '')} {_args(c['function'])}" for c in m.get("tool_calls") or [])
-                    cur.execute("INSERT INTO messages (session, seq, role, call, body, message, created) "
-                                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                                (session, seq, m.get("role", ""), call, body, json.dumps(m), now))
-                    ids.append(cur.lastrowid)
-                    seq += 1
-                cur.execute("COMMIT")
-            except BaseException:
-                cur.execute("ROLLBACK")
-                raise
+        with self._transaction() as run:
+            self._lock_session(run, session)
+            seq = run("SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE session=?", (session,)).fetchone()[0]
+            ids = []
+            for m in messages:
+                call = ""
+                for c in m.get("tool_calls") or []:
+                    fn = c.get("function", {})
+                    run("INSERT INTO calls VALUES (?, ?, ?, ?) ON CONFLICT (session, call_id) "
+                        "DO UPDATE SET name=excluded.name, arguments=excluded.arguments",
+                        (session, _clean(c.get("id", "")), _clean(fn.get("name", "")), _clean(_args(fn))))
+                if m.get("role") == "tool":
+                    row = run("SELECT name, arguments FROM calls WHERE session=? AND call_id=?",
+                              (session, _clean(m.get("tool_call_id", "")))).fetchone()
+                    call = " ".join(row) if row else m.get("name", "") or ""
+                body = _clean(_text(m.get("content")) + "".join(
+                    f"\n{c['function'].get('name', '')} {_args(c['function'])}" for c in m.get("tool_calls") or []))
+                call = _clean(call)
+                row = (session, seq, _clean(m.get("role", "")), call, body, json.dumps(m), now)
+                ids.append(self._insert_message(run, row, " ".join(words(body + " " + call))))
+                seq += 1
         return ids
 
     def history(self, session: str) -> list[Message]:
         """Every message of the session, in order, as received."""
-        with self.lock:
-            rows = self.conn.execute("SELECT message FROM messages WHERE session=? ORDER BY seq",
-                                     (session,)).fetchall()
+        rows = self._execute("SELECT message FROM messages WHERE session=? ORDER BY seq", (session,))
         return [json.loads(r[0]) for r in rows]
 
     def get_state(self, session: str) -> dict | None:
-        with self.lock:
-            row = self.conn.execute("SELECT state FROM views WHERE session=?", (session,)).fetchone()
-        return json.loads(row[0]) if row else None
+        rows = self._execute("SELECT state FROM views WHERE session=?", (session,))
+        return json.loads(rows[0][0]) if rows else None
 
     def put_state(self, session: str, state: dict) -> None:
-        with self.lock:
-            self.conn.execute("INSERT OR REPLACE INTO views VALUES (?, ?)", (session, json.dumps(state)))
+        self._execute("INSERT INTO views VALUES (?, ?) ON CONFLICT (session) DO UPDATE SET state=excluded.state",
+                      (session, json.dumps(state)))
 
     def add_note(self, session: str, kind: str, text: str) -> int:
-        with self.lock:
-            cur = self.conn.execute("INSERT INTO notes (session, kind, text, created) VALUES (?, ?, ?, ?)",
-                                    (session, kind, text, time.time()))
-            return cur.lastrowid
+        return self._execute("INSERT INTO notes (session, kind, text, created) VALUES (?, ?, ?, ?) RETURNING id",
+                             (session, kind, _clean(text), time.time()))[0][0]
 
     def notes(self, session: str) -> list[tuple[str, str]]:
-        with self.lock:
-            return self.conn.execute("SELECT kind, text FROM notes WHERE session=? ORDER BY id",
-                                     (session,)).fetchall()
+        rows = self._execute("SELECT kind, text FROM notes WHERE session=? ORDER BY id", (session,))
+        return [tuple(r) for r in rows]
+
+
+def is_postgres_url(target: str) -> bool:
+    return target.startswith(("postgresql://", "postgres://"))
+
+
+def open_session_log(target: str | Path) -> SessionLog:
+    """``postgresql://...`` opens PostgreSQL; anything else is a SQLite file path (or ``:memory:``)."""
+    target = str(target)
+    if is_postgres_url(target):
+        from .session_log_postgres import PostgresLog
+
+        return PostgresLog(target)
+    from .session_log_sqlite import SQLiteLog
+
+    return SQLiteLog(target)

@@ -10,7 +10,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..compaction.session_log import SessionLog
+from ..compaction.session_log import open_session_log
 from .config import ServeConfig
 from .deps import Authorized, SupervisorDep
 from .errors import install_error_handlers
@@ -32,7 +32,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app = FastAPI(title="agentkv", version="0.1.0", lifespan=lifespan)
     app.state.cfg = cfg
     app.state.supervisor = Supervisor(cfg)
-    app.state.sessions = Sessions(SessionLog(cfg.session_db_path))
+    app.state.sessions = Sessions(open_session_log(cfg.session_db_path))
     app.state.context = None
     app.state.context_lock = threading.Lock()
     app.state.kv_last = {}  # session -> (connector store key, prompt ids) of its last prompt

@@ -48,7 +48,7 @@ class ServeConfig(BaseModel):
     blend_fraction: float = Field(0.15, ge=0, le=1, description="blend: fraction of the moved tokens recomputed")
     kv_store_gib: float = Field(2.0, gt=0, description="connector: host memory for saved prompt K/V")
     max_request_mb: float = Field(32.0, gt=0, description="largest accepted request body (MiB)")
-    session_db: str | None = Field(None, description="session log (SQLite path); default $AGENTKV_HOME/sessions.db")
+    session_db: str | None = Field(None, description="session log: a SQLite path or a postgresql:// URL; default $AGENTKV_HOME/sessions.db")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
     @field_validator("host")
@@ -56,6 +56,13 @@ class ServeConfig(BaseModel):
     def _host_not_empty(cls, v: str) -> str:
         if not v.strip():
             raise ValueError("host must not be empty")
+        return v
+
+    @field_validator("session_db")
+    @classmethod
+    def _db_kind(cls, v: str | None) -> str | None:
+        if v is not None and "://" in v and not v.startswith(("postgresql://", "postgres://")):
+            raise ValueError("session_db must be a SQLite file path or a postgresql:// URL")
         return v
 
     @field_validator("api_key")

@@ -14,7 +14,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,3 +120,44 @@ def renderer(tiny_model_dir):
     from agentkv.compaction.prompt import PromptRenderer
 
     return PromptRenderer.from_pretrained(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def postgres_url(tmp_path_factory):
+    """A PostgreSQL server: `$AGENTKV_TEST_POSTGRES` (.ci/run starts one), else one this test
+    session starts with `.ci/postgres` where PostgreSQL is installed."""
+    url = os.environ.get("AGENTKV_TEST_POSTGRES")
+    if url:
+        yield url
+        return
+    script, pgdir = REPO / ".ci" / "postgres", Path(tempfile.mkdtemp(prefix="agentkv-pg-"))
+    try:
+        url = subprocess.run([script, "start", str(pgdir), str(_free_port())], check=True,
+                             capture_output=True, text=True).stdout.strip()
+    except subprocess.CalledProcessError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL did not start: {exc.stderr[-2000:]}")
+        pytest.skip(f"no PostgreSQL here (set AGENTKV_TEST_POSTGRES): {exc.stderr.strip()[-300:]}")
+    yield url
+    subprocess.run([script, "stop", str(pgdir)], capture_output=True)
+
+
+@pytest.fixture
+def postgres_db(postgres_url) -> str:
+    """The URL of a new, empty database on `postgres_url`, dropped after the test."""
+    import psycopg
+
+    name = f"agentkv_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name} ENCODING 'UTF8' TEMPLATE template0")
+    yield postgres_url.rsplit("/", 1)[0] + "/" + name
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def log_target(request, tmp_path) -> str:
+    """Where a session log lives: a SQLite file, or a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return str(tmp_path / "log.db")
+    return request.getfixturevalue("postgres_db")

@@ -1,4 +1,4 @@
-"""Session log (SQLite WAL + FTS5) and recall: planted facts survive clearing and summaries;
+"""Session log (SQLite WAL + FTS5, and PostgreSQL) and recall: planted facts survive clearing and summaries;
 a killed writer loses nothing it committed."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from agentkv.compaction.clearing import clear_tool_uses
 from agentkv.compaction.config import ClearToolUses, Compact
 from agentkv.compaction.recall import format_hits, recall
-from agentkv.compaction.session_log import SessionLog
+from agentkv.compaction.session_log import open_session_log
 from agentkv.compaction.summarize import summarize
 
 
@@ -37,8 +37,8 @@ class FixedNote:
         return "Diagnostics were run on six services."
 
 
-def test_recall_finds_planted_facts_after_clearing_and_summary(renderer, tmp_path):
-    log = SessionLog(tmp_path / "log.db")
+def test_recall_finds_planted_facts_after_clearing_and_summary(renderer, log_target):
+    log = open_session_log(log_target)
     msgs = diag_session()
     log.append("s1", msgs)                                 # logged before any edit
     cleared = clear_tool_uses(msgs, renderer, ClearToolUses(trigger=0, keep=0))
@@ -53,8 +53,8 @@ def test_recall_finds_planted_facts_after_clearing_and_summary(renderer, tmp_pat
     assert "port = 8443" in format_hits(recall(log, "s1", "auth port"))
 
 
-def test_recall_is_per_session_and_ranks_tool_outputs_first(tmp_path):
-    log = SessionLog(tmp_path / "log.db")
+def test_recall_is_per_session_and_ranks_tool_outputs_first(log_target):
+    log = open_session_log(log_target)
     log.append("a", [{"role": "user", "content": "what is the gateway port?"},
                      {"role": "assistant", "content": None, "tool_calls": [
                          {"id": "x", "type": "function", "function": {"name": "cat", "arguments": "{}"}}]},
@@ -66,8 +66,8 @@ def test_recall_is_per_session_and_ranks_tool_outputs_first(tmp_path):
     assert recall(log, "nobody", "gateway") == [] and recall(log, "a", "!!") == []
 
 
-def test_notes_are_stored_per_session(tmp_path):
-    log = SessionLog(tmp_path / "log.db")
+def test_notes_are_stored_per_session(log_target):
+    log = open_session_log(log_target)
     log.add_note("s", "decision", "use retries = 7")
     log.add_note("s", "rejected", "raising the timeout alone")
     log.add_note("t", "progress", "other")
@@ -76,8 +76,8 @@ def test_notes_are_stored_per_session(tmp_path):
 
 WRITER = """
 import sys
-from agentkv.compaction.session_log import SessionLog
-log = SessionLog(sys.argv[1])
+from agentkv.compaction.session_log import open_session_log
+log = open_session_log(sys.argv[1])
 i = 0
 while True:
     log.append("s", [{"role": "user", "content": f"message {i} " + "x" * 2000}])
@@ -86,8 +86,8 @@ while True:
 """
 
 
-def test_log_survives_a_killed_writer(tmp_path):
-    db = tmp_path / "log.db"
+def test_log_survives_a_killed_writer(log_target):
+    db = log_target
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(db)], stdout=subprocess.PIPE, text=True)
     acked = []
     deadline = time.monotonic() + 60
@@ -96,9 +96,10 @@ def test_log_survives_a_killed_writer(tmp_path):
     proc.send_signal(signal.SIGKILL)                       # mid-write: it never stops appending
     proc.wait()
     assert len(acked) >= 200
-    conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    conn.close()
-    history = SessionLog(db).history("s")
+    if "://" not in db:
+        conn = sqlite3.connect(db)
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        conn.close()
+    history = open_session_log(db).history("s")
     assert len(history) >= len(acked)                      # every acknowledged message is there
     assert [m["content"].split()[1] for m in history[:len(acked)]] == [str(i) for i in acked]

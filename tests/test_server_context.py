@@ -10,7 +10,7 @@ import uuid
 import pytest
 from conftest import API_KEY, OTHER_KEY
 
-from agentkv.compaction.session_log import SessionLog
+from agentkv.compaction.session_log import open_session_log
 
 MODEL = "agentkv-tiny"
 FACT = "timeout_ms = 1050"
@@ -67,7 +67,7 @@ def test_view_is_stable_next_turn_hits_the_prefix_cache_and_log_keeps_originals(
     assert second["context_management"]["prompt_tokens_after"] > first["context_management"]["prompt_tokens_after"]
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.8 * first["usage"]["prompt_tokens"]
     owner = hashlib.sha256(API_KEY.encode()).hexdigest()[:16]
-    history = SessionLog(server.home / "sessions.db").history(f"{owner}/{sid}")
+    history = open_session_log(server.home / "sessions.db").history(f"{owner}/{sid}")
     assert history == msgs2                                               # every original, in order
     assert FACT in history[3]["content"]
 
@@ -103,7 +103,7 @@ def test_note_tool_is_stored(server):
                 structured_outputs={"regex": regex}, max_tokens=150).json()
     assert body["server_tool_calls"][0]["result"] == "noted"
     owner = hashlib.sha256(API_KEY.encode()).hexdigest()[:16]
-    assert SessionLog(server.home / "sessions.db").notes(f"{owner}/{sid}") == [("decision", "use port 8443")]
+    assert open_session_log(server.home / "sessions.db").notes(f"{owner}/{sid}") == [("decision", "use port 8443")]
 
 
 def test_two_api_keys_cannot_see_each_others_sessions(server):
