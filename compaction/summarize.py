@@ -149,11 +149,13 @@ def _cut(messages: list[Message], renderer: PromptRenderer, start: int, keep_tok
 
 def summarize(messages: list[Message], renderer: PromptRenderer, cfg: Compact, client: ModelClient,
               tools: list | None = None, notes: list[str] | None = None,
-              history: list[Message] | None = None) -> SummaryResult:
+              history: list[Message] | None = None, window: int | None = None) -> SummaryResult:
     """Compact ``messages`` (the current view) once it reaches ``cfg.trigger`` tokens.
 
     ``history``: the full session log, for the copied parts (default: ``messages``);
-    ``notes``: the agent's notes, copied into the summary."""
+    ``notes``: the agent's notes, copied into the summary; ``window``: the model's context, which
+    the summarizer's own request must fit (the transcript loses its oldest part until it does;
+    no summary when even the bare request does not fit)."""
     before = renderer.count(messages, tools)
     unchanged = SummaryResult(messages, tokens_before=before, tokens_after=before)
     if before < cfg.trigger:
@@ -166,10 +168,17 @@ def summarize(messages: list[Message], renderer: PromptRenderer, cfg: Compact, c
     if not [m for m in old if not is_summary(m)]:
         return unchanged
     prior = previous_note(old)
-    ask = (f"Previous handoff note:\n{prior}\n\n" if prior else "") + \
-        f"Conversation to fold into the note:\n{transcript(old)}\n\nWrite the updated handoff note."
-    note = client.complete([{"role": "system", "content": cfg.instructions or DEFAULT_INSTRUCTIONS},
-                            {"role": "user", "content": ask}], cfg.summary_max_tokens)
+    text = transcript(old)
+    while True:
+        ask = [{"role": "system", "content": cfg.instructions or DEFAULT_INSTRUCTIONS},
+               {"role": "user", "content": (f"Previous handoff note:\n{prior}\n\n" if prior else "") +
+                f"Conversation to fold into the note:\n{text}\n\nWrite the updated handoff note."}]
+        if window is None or renderer.count(ask) + cfg.summary_max_tokens <= window:
+            break
+        if not text:
+            return unchanged
+        text = "[...]\n" + text[len(text) // 4 + 1:] if len(text) > 64 else ""
+    note = client.complete(ask, cfg.summary_max_tokens)
     source = history if history is not None else messages
     summary = summary_message(note, user_messages(source, renderer, cfg.user_messages_tokens),
                               list(notes or []), changed_files(source))

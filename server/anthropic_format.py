@@ -84,6 +84,6 @@ def to_anthropic(messages: list[dict]) -> tuple[str | None, list[dict]]:
 def tools_to_openai(tools: list[dict] | None) -> list[dict] | None:
     if not tools:
         return None
-    return [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+    return [{"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
                                               "parameters": t.get("input_schema") or {"type": "object"}}}
             for t in tools]

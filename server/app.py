@@ -18,8 +18,9 @@ from .limits import BodyLimit
 from .metrics import LATENCY, REQUESTS, render
 from .routes_anthropic import router as anthropic_router
 from .routes_openai import router as openai_router
+from .routes_sessions import router as sessions_router
 from .sessions import Sessions
-from .supervisor import Supervisor
+from .supervisor import EngineState, Supervisor
 
 
 def create_app(cfg: ServeConfig) -> FastAPI:
@@ -40,6 +41,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=int(cfg.max_request_mb * 2**20))
     app.include_router(openai_router)
     app.include_router(anthropic_router)
+    app.include_router(sessions_router)
 
     @app.middleware("http")
     async def _count(request: Request, call_next):
@@ -54,10 +56,18 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     @app.get("/health")
     async def health(sup: SupervisorDep) -> Response:
         ok = sup.healthy()
-        body = {"status": "ok" if ok else sup.state.value, "model": cfg.model_name}
+        state = "restarting" if not ok and sup.state is EngineState.READY else sup.state.value  # not yet seen
+        body = {"status": "ok" if ok else state, "model": cfg.model_name}
         if sup.error:
             body["error"] = sup.error
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/health/live")
+    async def live(sup: SupervisorDep) -> Response:
+        """Liveness: 200 while the engine is up, starting or restarting; 503 once given up on."""
+        ok = sup.alive()
+        return JSONResponse({"status": "ok" if ok else sup.state.value, "engine": sup.state.value},
+                            status_code=200 if ok else 503)
 
     @app.get("/metrics", dependencies=[Authorized])
     async def metrics(sup: SupervisorDep) -> Response:

@@ -14,9 +14,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..compaction.session_log import SessionLog
 from . import server_tools
-from .errors import error_body
 from .metrics import observe_usage
-from .proxy import EngineClient, json_of, relay_stream, unavailable
+from .proxy import EngineClient, json_of, relay_stream, stream_error, unavailable
 
 PATH = "/v1/chat/completions"
 
@@ -162,6 +161,11 @@ async def stream(engine: EngineClient, body: dict, report: dict | None, runner: 
                     if last is not None:
                         yield _sse(last)
                     last = chunk
+            except httpx.TransportError as exc:  # the engine went away mid-stream
+                if last is not None:
+                    yield _sse(last)
+                yield stream_error(exc)
+                return
             finally:
                 await resp.aclose()
             ours, theirs = _split([calls[i] for i in sorted(calls)])
@@ -172,8 +176,8 @@ async def stream(engine: EngineClient, body: dict, report: dict | None, runner: 
                 try:
                     resp = await engine.post_stream(PATH, body)
                 except httpx.TransportError as exc:
-                    yield _sse(error_body(503, f"the inference engine is unavailable: {exc.__class__.__name__}"))
-                    break
+                    yield stream_error(exc)
+                    return
                 if resp.status_code != 200:  # the follow-up was refused (e.g. the context is full)
                     await resp.aread()
                     await resp.aclose()

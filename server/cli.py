@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import types
 import typing
@@ -39,8 +40,20 @@ def add_config_flags(parser: argparse.ArgumentParser, model: type[ServeConfig]) 
         parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=help_text, **extra)
 
 
+def env_values(model: type[ServeConfig] = ServeConfig) -> dict:
+    """Fields set as environment variables, ``AGENTKV_<FIELD>`` (``AGENTKV_API_KEY=k1,k2``): how
+    containers pass secrets such as keys and the PostgreSQL URL without putting them in argv."""
+    values = {}
+    for name, field in model.model_fields.items():
+        raw = os.environ.get(f"AGENTKV_{name.upper()}")
+        if raw is not None:
+            values[name] = tuple(p for p in raw.split(",") if p) if typing.get_origin(field.annotation) is tuple \
+                else raw
+    return values
+
+
 def _config_from(ns: argparse.Namespace) -> ServeConfig:
-    values = {k: v for k, v in vars(ns).items() if k in ServeConfig.model_fields}
+    values = env_values() | {k: v for k, v in vars(ns).items() if k in ServeConfig.model_fields}
     if "tool_call_parser" in values and not values["tool_call_parser"]:
         values["tool_call_parser"] = None
     return ServeConfig(**values)
@@ -75,6 +88,7 @@ BENCHMARKS = {
     "delayed-recall": "agentkv.benchmarks.delayed_recall",
     "probe": "agentkv.benchmarks.probe",
     "clear-vs-recompute": "agentkv.benchmarks.clear_vs_recompute",
+    "load": "agentkv.benchmarks.load",
 }
 
 
@@ -88,7 +102,9 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible server on vLLM")
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible server on vLLM",
+                           epilog="Every flag can also be set as AGENTKV_<FLAG> (e.g. AGENTKV_API_KEY=k1,k2, "
+                                  "AGENTKV_SESSION_DB=postgresql://...); a flag given wins.")
     add_config_flags(serve, ServeConfig)
     serve.set_defaults(func=cmd_serve)
 

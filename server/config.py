@@ -36,6 +36,7 @@ class ServeConfig(BaseModel):
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM pipeline parallelism (Ray for multi-node)")
     enforce_eager: bool | None = Field(None, description="disable graph capture (default: on for CPU, off for GPU)")
     engine_startup_timeout_s: float = Field(900.0, gt=0, description="seconds to wait for vLLM to become healthy")
+    engine_restarts: int = Field(3, ge=0, description="relaunch vLLM when it dies, at most this many times an hour (0: never)")
     engine_args: tuple[str, ...] = Field((), description="extra arguments passed verbatim to vLLM")
     context_management: bool = Field(True, description="apply the default context policy to requests without one")
     clear_at: float = Field(0.5, gt=0, le=1, description="default policy: clear tool results at this fraction of the window")

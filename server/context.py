@@ -6,6 +6,7 @@ from the edits in force, run the policy's edits on the view, persist what fired,
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,8 @@ from ..compaction.policy import ContextManagement, default_policy
 from ..compaction.prompt import Message, PromptRenderer
 from ..compaction.summarize import ModelClient, summarize
 from .sessions import Sessions, session_key
+
+log = logging.getLogger("agentkv.context")
 
 
 @dataclass
@@ -31,11 +34,12 @@ class ContextManager:
         self.sessions, self.renderer, self.summarizer = sessions, renderer, summarizer
 
     def prepare(self, key: str, session_id: str, messages: list[Message], tools: list | None,
-                policy: ContextManagement | None, want_ids: bool = False) -> Prepared:
+                policy: ContextManagement | None, want_ids: bool = False, window: int | None = None) -> Prepared:
         state = self.sessions.sync(key, messages)
         view, where = state.view(messages)
         before = self.renderer.count(messages, tools)
         applied: list[dict] = []
+        failed: list[dict] = []
         kv_edits: list = []
         old_ids: list[int] = []
         for edit in policy.edits if policy else []:
@@ -52,7 +56,13 @@ class ContextManager:
                                 "edits": [e.as_dict() for e in r.edits]})
             else:
                 notes = [f"{kind}: {text}" for kind, text in self.sessions.log.notes(key)]
-                r = summarize(view, self.renderer, edit, self.summarizer, tools, notes, history=messages)
+                try:
+                    r = summarize(view, self.renderer, edit, self.summarizer, tools, notes, history=messages,
+                                  window=window)
+                except Exception as exc:  # the summarizer's call failed: serve the request uncompacted
+                    log.warning("session %s: summary failed: %s", session_id, exc)
+                    failed.append({"type": "compact", "error": f"{exc.__class__.__name__}: {exc}"[:500]})
+                    continue
                 if not r.summarized_messages:
                     continue
                 head = next(i for i, m in enumerate(r.messages) if m is not view[i])
@@ -68,6 +78,8 @@ class ContextManager:
         after = self.renderer.count(view, tools) if applied or state.replaced or state.summary else before
         report = {"session_id": session_id, "applied_edits": applied,
                   "prompt_tokens_before": before, "prompt_tokens_after": after}
+        if failed:
+            report["failed_edits"] = failed
         ids = self.renderer.render(view, tools).token_ids if want_ids else []
         return Prepared(view, report, kv_edits, old_ids, ids)
 
@@ -83,4 +95,5 @@ async def manage(ctx: ContextManager, cfg, window: int, owner: str, session_id: 
     policy = requested
     if policy is None and cfg.context_management:
         policy = default_policy(window, cfg.clear_at, cfg.compact_at)
-    return key, sid, await asyncio.to_thread(ctx.prepare, key, sid, conversation, tools, policy, want_ids)
+    return key, sid, await asyncio.to_thread(ctx.prepare, key, sid, conversation, tools, policy, want_ids,
+                                             window or None)

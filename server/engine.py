@@ -83,7 +83,7 @@ class EngineProcess:
             "--model", self.model_path,
             "--served-model-name", c.model_name,
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--api-key", self.secret,
+            f"--api-key={self.secret}",  # '=': a secret may start with '-'
             "--enable-prefix-caching",
             "--enable-prompt-tokens-details",
             "--tensor-parallel-size", str(c.tensor_parallel_size),

@@ -12,6 +12,8 @@ LATENCY = Histogram("agentkv_request_seconds", "Time to answer (to the last byte
                     ["route"], registry=REGISTRY)
 ENGINE_UP = Gauge("agentkv_engine_up", "1 while the vLLM engine answers /health", registry=REGISTRY)
 ENGINE_STARTS = Counter("agentkv_engine_starts", "vLLM engine launches", registry=REGISTRY)
+ENGINE_RESTARTS = Counter("agentkv_engine_restarts", "vLLM engine relaunches after it exited",
+                          registry=REGISTRY)
 KV_PLANNED = Counter("agentkv_kv_planned_reuse_tokens", "Tokens the front asked the KV connector to shift "
                      "after clearing (vllm:external_prefix_cache_hits counts what it supplied)", ["mode"],
                      registry=REGISTRY)

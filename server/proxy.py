@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -48,9 +49,19 @@ class EngineClient:
         return await self._http.send(self._http.build_request("POST", path, json=body), stream=True)
 
 
+def _unavailable_message(exc: Exception) -> str:
+    return f"the inference engine is unavailable: {exc.__class__.__name__}"
+
+
 def unavailable(exc: Exception) -> JSONResponse:
-    return error_response(503, f"the inference engine is unavailable: {exc.__class__.__name__}",
-                          code="engine_unavailable")
+    return error_response(503, _unavailable_message(exc), code="engine_unavailable")
+
+
+def stream_error(exc: Exception) -> bytes:
+    """The end of a stream whose engine went away: an OpenAI-style error event, then [DONE]
+    (the official clients raise an APIError on it instead of hanging or seeing a cut)."""
+    body = error_body(503, _unavailable_message(exc), code="engine_unavailable")
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
 
 async def relay_stream(resp: httpx.Response) -> Response:
@@ -62,8 +73,11 @@ async def relay_stream(resp: httpx.Response) -> Response:
         return JSONResponse(payload, status_code=status)
 
     async def body() -> AsyncIterator[bytes]:
-        async for chunk in resp.aiter_raw():
-            yield chunk
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        except httpx.TransportError as exc:
+            yield stream_error(exc)
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"}, background=BackgroundTask(resp.aclose))

@@ -18,6 +18,7 @@ from ..compaction.policy import ContextManagement
 from .anthropic_format import to_anthropic, to_openai, tools_to_openai
 from .deps import ContextDep, EngineDep, OwnerDep
 from .proxy import unavailable
+from .schemas import require_utf8
 from .context import manage
 
 router = APIRouter(prefix="/v1")
@@ -29,13 +30,20 @@ class AnthropicMessage(BaseModel):
     content: str | list[dict[str, Any]]
 
 
+class AnthropicTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(..., min_length=1, max_length=128)
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+
+
 class MessagesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     messages: list[AnthropicMessage] = Field(..., min_length=1, max_length=20_000)
     max_tokens: int = Field(..., ge=1)
     system: str | list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = None
     stream: bool = False
     context_management: ContextManagement | None = None
     session_id: str | None = None
@@ -61,6 +69,10 @@ async def _stream(resp: httpx.Response, report: dict):
                 yield (text + "\n\n").encode()
         if buf:
             yield buf
+    except httpx.TransportError as exc:  # the engine went away mid-stream: Anthropic's error event
+        err = {"type": "error", "error": {"type": "overloaded_error",
+                                          "message": f"the inference engine is unavailable: {exc.__class__.__name__}"}}
+        yield f"event: error\ndata: {json.dumps(err)}\n\n".encode()
     finally:
         await resp.aclose()
 
@@ -69,7 +81,7 @@ async def _stream(resp: httpx.Response, report: dict):
 async def messages(req: MessagesRequest, request: Request, engine: EngineDep, owner: OwnerDep,
                    ctx: ContextDep) -> Response:
     cfg = request.app.state.cfg
-    body = req.model_dump(exclude_unset=True, exclude={"context_management", "session_id"})
+    body = require_utf8(req.model_dump(exclude_unset=True, exclude={"context_management", "session_id"}))
     body["model"] = req.model or cfg.model_name
     conversation = to_openai(body.get("system"), body["messages"])
     _, sid, prepared = await manage(ctx, cfg, request.app.state.supervisor.max_model_len, owner,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..compaction.policy import ContextManagement
+from .errors import APIError
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -67,9 +69,19 @@ class CompletionRequest(_Sampling):
 AGENTKV_FIELDS = ("context_management", "session_id", "server_tools", "kv_reuse")
 
 
+def require_utf8(body: dict[str, Any]) -> dict[str, Any]:
+    """JSON may escape lone UTF-16 surrogates (``"\\ud800"``); no text can hold them: refuse with 400
+    before anything is logged or sent on."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"the request holds text that is not valid Unicode ({exc.reason})") from None
+    return body
+
+
 def forward_body(req: _Sampling, model_name: str) -> dict[str, Any]:
     """The JSON sent on to vLLM: what the client sent (less agentkv's own fields), with the served
     model name filled in."""
     body = req.model_dump(exclude_unset=True, exclude_none=False, exclude=set(AGENTKV_FIELDS))
     body["model"] = req.model or model_name
-    return body
+    return require_utf8(body)

@@ -18,7 +18,8 @@ from ..compaction.prompt import Message, message_key
 from ..compaction.session_log import SessionLog
 from .errors import APIError
 
-SESSION_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+# no "/" or "\\" and not only dots: an id is never a path, and could not be made one
+SESSION_ID = re.compile(r"^(?!\.+$)[A-Za-z0-9._:@-]{1,128}$")
 
 
 def session_key(owner: str, session_id: str | None, messages: list[Message]) -> tuple[str, str]:
@@ -29,7 +30,7 @@ def session_key(owner: str, session_id: str | None, messages: list[Message]) -> 
                 [m for m in messages if m.get("role") == "user"][:1]
         session_id = "auto-" + hashlib.sha256(json.dumps(first, sort_keys=True).encode()).hexdigest()[:24]
     elif not SESSION_ID.match(session_id):
-        raise APIError(400, "session id must be 1-128 characters of letters, digits and ._:@-",
+        raise APIError(400, "session id must be 1-128 characters of letters, digits and ._:@- (not only dots)",
                        param="session_id")
     return f"{owner}/{session_id}", session_id
 

@@ -10,6 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib
 import signal
 import socket
 import subprocess
@@ -42,6 +43,7 @@ class Server:
     log_path: Path
     home: Path
     api_key: str = API_KEY
+    session_db: str = ""
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -75,8 +77,12 @@ def start_server(home: Path, *extra: str) -> Server:
         if proc.poll() is not None:
             raise RuntimeError(f"agentkv serve exited with {proc.returncode}:\n{server.log_tail()}")
         try:
-            if httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200:
+            r = httpx.get(f"{server.base_url}/health", timeout=5)
+            if r.status_code == 200:
                 return server
+            if r.json().get("status") == "failed":  # the engine will not come up: say why now
+                stop_server(server)
+                raise RuntimeError(f"the engine failed to start: {r.text}\n{server.log_tail()}")
         except httpx.TransportError:
             pass
         time.sleep(1)
@@ -142,17 +148,25 @@ def postgres_url(tmp_path_factory):
     subprocess.run([script, "stop", str(pgdir)], capture_output=True)
 
 
-@pytest.fixture
-def postgres_db(postgres_url) -> str:
-    """The URL of a new, empty database on `postgres_url`, dropped after the test."""
+@contextlib.contextmanager
+def new_database(postgres_url: str):
+    """The URL of a new, empty UTF-8 database on that server, dropped afterwards."""
     import psycopg
 
     name = f"agentkv_test_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name} ENCODING 'UTF8' TEMPLATE template0")
-    yield postgres_url.rsplit("/", 1)[0] + "/" + name
-    with psycopg.connect(postgres_url, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    try:
+        yield postgres_url.rsplit("/", 1)[0] + "/" + name
+    finally:
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def postgres_db(postgres_url) -> str:
+    with new_database(postgres_url) as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -161,3 +175,20 @@ def log_target(request, tmp_path) -> str:
     if request.param == "sqlite":
         return str(tmp_path / "log.db")
     return request.getfixturevalue("postgres_db")
+
+
+@pytest.fixture(scope="session")
+def small_server(tmp_path_factory, request) -> Server:
+    """A second server for the reliability tests: a 1024-token window (every generation is short,
+    so fuzzing cannot make a request run for minutes) and its session log on PostgreSQL where
+    one is available (SQLite otherwise)."""
+    with contextlib.ExitStack() as stack:
+        try:
+            db = stack.enter_context(new_database(request.getfixturevalue("postgres_url")))
+        except pytest.skip.Exception:
+            db = None
+        home = tmp_path_factory.mktemp("agentkv-small")
+        srv = start_server(home, "--max-model-len", "1024", *(["--session-db", db] if db else []))
+        srv.session_db = db or str(home / "sessions.db")
+        yield srv
+        stop_server(srv)

@@ -114,3 +114,22 @@ def test_baselines_fit_and_keep_groups_whole(renderer, msgs, budget, ratio):
 def test_head_ratio_validated(renderer):
     with pytest.raises(ValueError):
         head_tail(session(1), renderer, 100, 1.5)
+
+
+@pytest.mark.parametrize("window", [600, 1024, 4096])
+def test_summarizer_request_fits_the_window(renderer, window):
+    msgs = session(30)
+    client = RecordingClient("Goal: fix media timeout.")
+    cfg = Compact(trigger=0, keep_recent_tokens=200, summary_max_tokens=128)
+    r = summarize(msgs, renderer, cfg, client, TOOLS, window=window)
+    assert r.summarized_messages > 0 and len(client.prompts) == 1
+    assert renderer.count(client.prompts[0]) + cfg.summary_max_tokens <= window
+    if window == 600:                                   # the oldest part of the transcript went first
+        assert "[...]" in client.prompts[0][1]["content"] and "step 29" not in client.prompts[0][1]["content"]
+
+
+def test_no_summary_when_even_the_bare_request_cannot_fit(renderer):
+    client = RecordingClient("x")
+    cfg = Compact(trigger=0, keep_recent_tokens=200, summary_max_tokens=128)
+    r = summarize(session(), renderer, cfg, client, TOOLS, window=150)
+    assert client.prompts == [] and r.summarized_messages == 0

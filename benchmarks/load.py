@@ -1,0 +1,157 @@
+"""Load: N concurrent agent sessions, each a tool loop whose context grows until clearing fires.
+
+Every turn sends the whole conversation (as an agent harness does) with the session's
+``X-Session-Id``; the client plays the tools: after each model reply it appends a tool call and a
+tool output of ``--tool-lines`` lines. Reports requests/s, latency p50/p99, errors (should be 0),
+how many requests had clearing applied, and whether every session's log on the server is
+complete afterwards (``GET /v1/sessions/{id}/messages`` equals what the client sent).
+Loopback only, bounded by ``--sessions`` x ``--turns``.
+Usage: ``agentkv bench load [--quick] [--url URL --api-key KEY]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+import uuid
+
+import numpy as np
+
+from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, pyplot, write_results
+
+TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a shell command",
+                                           "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}},
+                                                          "required": ["cmd"]}}}]
+WORDS = "ok check latency service retry queue shard node disk cache write read index commit".split()
+
+
+def tool_output(rng: random.Random, turn: int, lines: int) -> str:
+    out = [f"{rng.choice(WORDS)} {rng.choice(WORDS)} {rng.randrange(10_000)} ms" for _ in range(lines)]
+    out.insert(lines // 2, f"fact {turn}: value = {rng.randrange(10**6)}")
+    return "\n".join(out)
+
+
+async def run_session(client, model: str, sid: str, turns: int, lines: int, max_tokens: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    messages = [{"role": "system", "content": "You are an agent. Use bash to inspect the services."},
+                {"role": "user", "content": f"Session {sid}: find the slow service."}]
+    rec = {"session": sid, "latencies": [], "prompt_tokens": [], "errors": [], "cleared": 0, "sent": None}
+    for turn in range(turns):
+        t0 = time.perf_counter()
+        try:
+            raw = await client.chat.completions.with_raw_response.create(
+                model=model, messages=messages, tools=TOOLS, max_tokens=max_tokens, temperature=0,
+                extra_headers={"X-Session-Id": sid})
+            reply = raw.parse()
+        except Exception as exc:  # counted, reported, and the session stops (its log is still checked)
+            rec["errors"].append(f"turn {turn}: {exc.__class__.__name__}: {exc}"[:300])
+            break
+        rec["latencies"].append(time.perf_counter() - t0)
+        rec["prompt_tokens"].append(reply.usage.prompt_tokens if reply.usage else 0)
+        report = (reply.model_extra or {}).get("context_management") or {}
+        rec["cleared"] += bool(report.get("applied_edits"))
+        rec["sent"] = list(messages)
+        call_id = f"call_{turn}"
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content or None,
+                         "tool_calls": [{"id": call_id, "type": "function", "function": {
+                             "name": "bash", "arguments": json.dumps({"cmd": f"diag --service s{turn}"})}}]})
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": tool_output(rng, turn, lines)})
+    return rec
+
+
+async def check_log(http, rec: dict) -> bool:
+    """The server's log of the session holds exactly the messages the client sent, in order."""
+    if rec["sent"] is None:
+        return True
+    got, offset = [], 0
+    while True:
+        r = await http.get(f"/v1/sessions/{rec['session']}/messages", params={"offset": offset})
+        if r.status_code != 200:
+            return False
+        page = r.json()
+        got += page["data"]
+        offset += len(page["data"])
+        if not page["has_more"]:
+            break
+    return got == json.loads(json.dumps(rec["sent"]))
+
+
+async def measure(url: str, api_key: str | None, model: str, sessions: int, turns: int, lines: int,
+                  max_tokens: int) -> dict:
+    import httpx
+    from openai import AsyncOpenAI
+
+    run = uuid.uuid4().hex[:8]
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "none", max_retries=0, timeout=600)
+    t0 = time.perf_counter()
+    recs = await asyncio.gather(*(run_session(client, model, f"load-{run}-{i}", turns, lines, max_tokens, seed=i)
+                                  for i in range(sessions)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
+        complete = [await check_log(http, r) for r in recs]
+    lat = np.array([x for r in recs for x in r["latencies"]])
+    return {"sessions": sessions, "turns": turns, "tool_lines": lines, "max_tokens": max_tokens,
+            "requests": int(lat.size), "errors": sum(len(r["errors"]) for r in recs),
+            "error_messages": [e for r in recs for e in r["errors"]][:20], "wall_s": wall,
+            "requests_per_s": lat.size / wall if wall else 0.0,
+            "latency_p50_s": float(np.percentile(lat, 50)) if lat.size else None,
+            "latency_p99_s": float(np.percentile(lat, 99)) if lat.size else None,
+            "requests_with_clearing": sum(r["cleared"] for r in recs),
+            "logs_complete": sum(complete), "max_prompt_tokens": max((max(r["prompt_tokens"], default=0) for r in recs)),
+            "latencies_s": lat.tolist(),
+            "per_turn": [{"prompt_tokens": p, "latency_s": x} for r in recs for p, x in zip(r["prompt_tokens"], r["latencies"])]}
+
+
+def plot(res: dict, title: str):
+    plt = pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    lat = np.sort(np.array(res["latencies_s"]))
+    a.plot(lat, np.arange(1, lat.size + 1) / max(lat.size, 1))
+    a.set_xlabel("request latency (s)")
+    a.set_ylabel("fraction of requests")
+    b.scatter([t["prompt_tokens"] for t in res["per_turn"]], [t["latency_s"] for t in res["per_turn"]], s=10)
+    b.set_xlabel("prompt tokens the engine saw")
+    b.set_ylabel("latency (s)")
+    fig.suptitle(title, fontsize=9)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="agentkv bench load", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="4 sessions x 5 turns (smoke test)")
+    ap.add_argument("--sessions", type=int, default=16, help="concurrent agent sessions")
+    ap.add_argument("--turns", type=int, default=10, help="requests per session")
+    ap.add_argument("--tool-lines", type=int, default=30, help="lines per tool output")
+    ap.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
+    add_endpoint_args(ap)
+    args = ap.parse_args(argv)
+    sessions, turns = (4, 5) if args.quick else (args.sessions, args.turns)
+    if sessions < 1 or turns < 1 or sessions * turns > 10_000:
+        ap.error("--sessions and --turns must be >= 1, with at most 10,000 requests in all")
+    # a 2k window when we start the server: clearing fires within a few turns
+    with Endpoint(args.url, args.api_key, serve_args=("--max-model-len", "2048")) as ep:
+        model = ep.model()["id"]
+        res = asyncio.run(measure(ep.url, ep.api_key, model, sessions, turns, args.tool_lines, args.max_tokens))
+    m = machine()
+    result = {"machine": m, "model": model, **res}
+    name = "load" + ("-quick" if args.quick else "")
+    fig = plot(res, f"load: {sessions} sessions x {turns} turns, {model}\n{machine_line(m)}")
+    jpath, ppath = write_results(name, result, fig, args.out)
+    print_table(f"load ({model}, {sessions} sessions x {turns} turns)",
+                ["requests", "errors", "req/s", "p50 s", "p99 s", "with clearing", "logs complete"],
+                [[res["requests"], res["errors"], res["requests_per_s"], res["latency_p50_s"] or "",
+                  res["latency_p99_s"] or "", res["requests_with_clearing"], f"{res['logs_complete']}/{sessions}"]],
+                machine_line(m))
+    for e in res["error_messages"]:
+        print("error:", e)
+    print(f"wrote {jpath} and {ppath}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

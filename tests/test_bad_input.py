@@ -1,0 +1,68 @@
+"""Bad input: schemathesis fuzzes every operation of the server's own OpenAPI schema (no 5xx, no
+request left hanging); the size and message-count limits; the API key on every route but /health."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import API_KEY
+
+OPEN = {"/health", "/health/live"}  # the probes answer without a key
+
+
+def test_schemathesis_finds_no_server_error_and_no_hang(small_server, tmp_path):
+    st = Path(sys.executable).with_name("schemathesis")
+    cmd = [str(st), "run", f"{small_server.base_url}/openapi.json",
+           "-H", f"Authorization: Bearer {API_KEY}",
+           "--checks", "not_a_server_error", "--max-examples", "25", "--seed", "20261202",
+           "--request-timeout", "120", "--generation-database", "none", "--no-color",
+           "--output-sanitize", "false", "--report", "junit", "--report-dir", str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=tmp_path)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-6000:] + "\n--- server log ---\n" + small_server.log_tail(80)
+    assert "Tested: " in out  # it ran the operations (a schema it cannot load fails above)
+    assert small_server.proc.poll() is None and httpx.get(f"{small_server.base_url}/health").status_code == 200
+
+
+def _operations(server) -> list[tuple[str, str]]:
+    schema = httpx.get(f"{server.base_url}/openapi.json").json()
+    return [(method.upper(), path) for path, ops in schema["paths"].items() for method in ops]
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key"])
+def test_every_route_but_health_needs_the_api_key(small_server, key):
+    ops = _operations(small_server)
+    assert ("POST", "/v1/chat/completions") in ops and ("GET", "/v1/sessions/{session_id}") in ops
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    for method, path in ops:
+        url = small_server.base_url + path.replace("{session_id}", "s1")
+        r = httpx.request(method, url, headers=headers, json={}, timeout=60)
+        if path in OPEN:
+            assert r.status_code == 200, (method, path, r.text)
+        else:
+            assert r.status_code == 401, (method, path, r.status_code, r.text)
+            err = r.json()
+            if path.startswith("/v1/messages"):  # Anthropic's error shape there
+                assert err["type"] == "error" and err["error"]["type"] == "authentication_error"
+            else:
+                assert err["error"]["code"] == "invalid_api_key"
+
+
+def test_message_count_limit_is_a_clean_400(small_server):
+    msgs = [{"role": "user", "content": "x"}] * 20_001
+    r = small_server.http().post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize("body", [b"{", b"[]", b'{"messages": "hi"}', b'{"messages": [{"role": "robot"}]}',
+                                  "{\"messages\": [{\"role\": \"user\", \"content\": \"\\ud800\"}]}".encode(),
+                                  b'\xff\xfe'])
+def test_malformed_bodies_are_400(small_server, body):
+    r = small_server.http().post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
