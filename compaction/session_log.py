@@ -20,6 +20,7 @@ from typing import Any, Callable
 from .prompt import Message, content_text as _text
 
 WORD = re.compile(r"[^\W_]+", re.UNICODE)
+PUT_STATE = "INSERT INTO views VALUES (?, ?) ON CONFLICT (session) DO UPDATE SET state=excluded.state"
 Exec = Callable[[str, tuple], Any]  # run one statement, return a DB-API cursor
 
 
@@ -72,8 +73,9 @@ class SessionLog(ABC):
     def count(self, session: str) -> int:
         return self._execute("SELECT COUNT(*) FROM messages WHERE session=?", (session,))[0][0]
 
-    def append(self, session: str, messages: list[Message]) -> list[int]:
-        """Append ``messages`` to the end of ``session``; return their ids."""
+    def append(self, session: str, messages: list[Message], state: dict | None = None) -> list[int]:
+        """Append ``messages`` to the end of ``session``; return their ids. ``state``: the session's
+        view state, written in the same transaction (a crash leaves both or neither)."""
         now = time.time()
         with self._transaction() as run:
             self._lock_session(run, session)
@@ -96,6 +98,8 @@ class SessionLog(ABC):
                 row = (session, seq, _clean(m.get("role", "")), call, body, json.dumps(m), now)
                 ids.append(self._insert_message(run, row, " ".join(words(body + " " + call))))
                 seq += 1
+            if state is not None:
+                run(PUT_STATE, (session, json.dumps(state)))
         return ids
 
     def history(self, session: str) -> list[Message]:
@@ -108,8 +112,7 @@ class SessionLog(ABC):
         return json.loads(rows[0][0]) if rows else None
 
     def put_state(self, session: str, state: dict) -> None:
-        self._execute("INSERT INTO views VALUES (?, ?) ON CONFLICT (session) DO UPDATE SET state=excluded.state",
-                      (session, json.dumps(state)))
+        self._execute(PUT_STATE, (session, json.dumps(state)))
 
     def add_note(self, session: str, kind: str, text: str) -> int:
         return self._execute("INSERT INTO notes (session, kind, text, created) VALUES (?, ?, ?, ?) RETURNING id",

@@ -93,10 +93,11 @@ class Sessions:
             common += 1
         if common < len(state.keys):
             state.forget_from(common)
-        if keys[common:]:
-            self.log.append(key, messages[common:])
         state.keys = keys
-        self.log.put_state(key, state.dump())
+        if keys[common:]:  # the new messages and the state that records them: one transaction
+            self.log.append(key, messages[common:], state=state.dump())
+        else:
+            self.log.put_state(key, state.dump())
         return state
 
     def save(self, key: str, state: ViewState) -> None:
