@@ -33,7 +33,20 @@ def test_defaults_come_from_the_config():
     assert ServeConfig().port == 8000 and ServeConfig().host == "127.0.0.1"
 
 
+def test_environment_sets_fields_and_flags_win(monkeypatch):
+    from agentkv.server.cli import _config_from
+
+    monkeypatch.setenv("AGENTKV_API_KEY", "k1,k2")
+    monkeypatch.setenv("AGENTKV_SESSION_DB", "postgresql://u@h/db")
+    monkeypatch.setenv("AGENTKV_PORT", "9001")
+    monkeypatch.setenv("AGENTKV_SERVER_TOOLS", "true")
+    cfg = _config_from(build_parser().parse_args(["serve", "--port", "9002"]))
+    assert cfg.api_key == ("k1", "k2") and cfg.session_db == "postgresql://u@h/db"
+    assert cfg.port == 9002 and cfg.server_tools is True
+
+
 @pytest.mark.parametrize("args, needle", [
+    (["--session-db", "mysql://x/y"], "--session-db"),
     (["--port", "70000"], "--port"),
     (["--device", "tpu"], "invalid choice"),
     (["--kv-cache-gib", "0"], "--kv-cache-gib"),
