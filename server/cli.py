@@ -64,8 +64,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     from .app import create_app
 
+    from .errors import SESSION_LOG_ERRORS
+
     cfg = _config_from(ns)
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+    try:
+        app = create_app(cfg)
+    except SESSION_LOG_ERRORS as exc:
+        raise ValueError(f"cannot open the session log (--session-db): {exc}") from None
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                 timeout_graceful_shutdown=30)
     return 0
 

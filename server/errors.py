@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import sqlite3
+
+import psycopg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+SESSION_LOG_ERRORS = (sqlite3.OperationalError, psycopg.OperationalError)
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable"}
@@ -57,6 +61,13 @@ def install_error_handlers(app: FastAPI) -> None:
         param = _loc_to_param(tuple(first.get("loc", ())))
         where = f"'{param}': " if param else ""
         return _respond(request, 400, f"{where}{first.get('msg', 'invalid request')}", param)
+
+    async def _log_down(request: Request, exc: Exception) -> JSONResponse:
+        return _respond(request, 503, f"the session log is unavailable: {exc.__class__.__name__}",
+                        code="session_log_unavailable")
+
+    for db_error in SESSION_LOG_ERRORS:  # the database went away (PostgreSQL restart, disk gone)
+        app.add_exception_handler(db_error, _log_down)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

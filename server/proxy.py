@@ -49,18 +49,18 @@ class EngineClient:
         return await self._http.send(self._http.build_request("POST", path, json=body), stream=True)
 
 
-def _unavailable_message(exc: Exception) -> str:
+def unavailable_message(exc: Exception) -> str:
     return f"the inference engine is unavailable: {exc.__class__.__name__}"
 
 
 def unavailable(exc: Exception) -> JSONResponse:
-    return error_response(503, _unavailable_message(exc), code="engine_unavailable")
+    return error_response(503, unavailable_message(exc), code="engine_unavailable")
 
 
 def stream_error(exc: Exception) -> bytes:
     """The end of a stream whose engine went away: an OpenAI-style error event, then [DONE]
     (the official clients raise an APIError on it instead of hanging or seeing a cut)."""
-    body = error_body(503, _unavailable_message(exc), code="engine_unavailable")
+    body = error_body(503, unavailable_message(exc), code="engine_unavailable")
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
 

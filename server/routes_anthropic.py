@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..compaction.policy import ContextManagement
 from .anthropic_format import to_anthropic, to_openai, tools_to_openai
 from .deps import ContextDep, EngineDep, OwnerDep
-from .proxy import unavailable
+from .proxy import unavailable, unavailable_message
 from .schemas import require_utf8
 from .context import manage
 
@@ -71,7 +71,7 @@ async def _stream(resp: httpx.Response, report: dict):
             yield buf
     except httpx.TransportError as exc:  # the engine went away mid-stream: Anthropic's error event
         err = {"type": "error", "error": {"type": "overloaded_error",
-                                          "message": f"the inference engine is unavailable: {exc.__class__.__name__}"}}
+                                          "message": unavailable_message(exc)}}
         yield f"event: error\ndata: {json.dumps(err)}\n\n".encode()
     finally:
         await resp.aclose()

@@ -47,6 +47,7 @@ def test_environment_sets_fields_and_flags_win(monkeypatch):
 
 @pytest.mark.parametrize("args, needle", [
     (["--session-db", "mysql://x/y"], "--session-db"),
+    (["--session-db", "postgresql://nobody@127.0.0.1:1/nothing"], "cannot open the session log"),
     (["--port", "70000"], "--port"),
     (["--device", "tpu"], "invalid choice"),
     (["--kv-cache-gib", "0"], "--kv-cache-gib"),

@@ -103,3 +103,20 @@ def test_log_survives_a_killed_writer(log_target):
     history = open_session_log(db).history("s")
     assert len(history) >= len(acked)                      # every acknowledged message is there
     assert [m["content"].split()[1] for m in history[:len(acked)]] == [str(i) for i in acked]
+
+
+def test_postgres_log_reconnects_after_the_server_drops_it(postgres_db):
+    import psycopg
+
+    log = open_session_log(postgres_db)
+    log.append("s", [{"role": "user", "content": "before"}])
+    pid = log.conn.info.backend_pid
+    with psycopg.connect(postgres_db, autocommit=True) as admin:   # as a PostgreSQL restart would
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    try:
+        log.count("s")                                 # this one fails (the server answers 503)...
+    except psycopg.OperationalError:
+        pass
+    log.append("s", [{"role": "user", "content": "after"}])   # ...and the log is back on the next
+    assert [m["content"] for m in log.history("s")] == ["before", "after"]
+    assert log.conn.info.backend_pid != pid
