@@ -102,9 +102,12 @@ class SessionLog(ABC):
                 run(PUT_STATE, (session, json.dumps(state)))
         return ids
 
-    def history(self, session: str) -> list[Message]:
-        """Every message of the session, in order, as received."""
-        rows = self._execute("SELECT message FROM messages WHERE session=? ORDER BY seq", (session,))
+    def history(self, session: str, offset: int = 0, limit: int | None = None) -> list[Message]:
+        """Every message of the session (or ``limit`` of them from ``offset``), in order, as received."""
+        sql, params = "SELECT message FROM messages WHERE session=? ORDER BY seq", (session,)
+        if limit is not None or offset:
+            sql, params = sql + " LIMIT ? OFFSET ?", (session, 2**63 - 1 if limit is None else limit, offset)
+        rows = self._execute(sql, params)
         return [json.loads(r[0]) for r in rows]
 
     def get_state(self, session: str) -> dict | None:

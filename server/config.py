@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..compaction.session_log import is_postgres_url
+
 EMBEDDED_MODEL_NAME = "agentkv-tiny"
 
 
@@ -62,7 +64,7 @@ class ServeConfig(BaseModel):
     @field_validator("session_db")
     @classmethod
     def _db_kind(cls, v: str | None) -> str | None:
-        if v is not None and "://" in v and not v.startswith(("postgresql://", "postgres://")):
+        if v is not None and "://" in v and not is_postgres_url(v):
             raise ValueError("session_db must be a SQLite file path or a postgresql:// URL")
         return v
 

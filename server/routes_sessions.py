@@ -42,7 +42,6 @@ async def messages(session_id: str, request: Request, owner: OwnerDep,
                    offset: int = Query(0, ge=0), limit: int = Query(1000, ge=1, le=10_000)) -> dict:
     """The full log, as received, in order (cleared and summarized messages included)."""
     log, key, sid, count = await _lookup(request, owner, session_id)
-    history = await asyncio.to_thread(log.history, key)
-    page = history[offset:offset + limit]
+    page = await asyncio.to_thread(log.history, key, offset, limit)
     return {"object": "list", "session_id": sid, "data": page, "total": count,
             "has_more": offset + len(page) < count}

@@ -66,6 +66,14 @@ def test_recall_is_per_session_and_ranks_tool_outputs_first(log_target):
     assert recall(log, "nobody", "gateway") == [] and recall(log, "a", "!!") == []
 
 
+def test_history_pages(log_target):
+    log = open_session_log(log_target)
+    msgs = [{"role": "user", "content": f"m{i}"} for i in range(7)]
+    log.append("s", msgs)
+    assert log.history("s") == msgs and log.history("s", 2, 3) == msgs[2:5]
+    assert log.history("s", 5) == msgs[5:] and log.history("s", 9, 2) == []
+
+
 def test_notes_are_stored_per_session(log_target):
     log = open_session_log(log_target)
     log.add_note("s", "decision", "use retries = 7")
