@@ -35,6 +35,11 @@ else
   "${pip[@]}" -e ".[cuda${extras:+,$extras}]"
 fi
 
+if [ -n "$extras" ] && command -v npm >/dev/null 2>&1; then
+  # the real agent harnesses the end-to-end tests drive (pinned in tests/clients/package-lock.json)
+  npm ci --prefix tests/clients --no-audit --no-fund --loglevel=error
+fi
+
 "$VENV/bin/agentkv" model build >/dev/null
 "$VENV/bin/python" -c "import vllm, torch; print(f'setup.sh: vllm {vllm.__version__}, torch {torch.__version__}')"
 echo "setup.sh: done in $(( $(date +%s) - start )) s; $(du -sh "$VENV" | cut -f1) in $VENV"
