@@ -13,9 +13,9 @@ import re
 import threading
 import time
 from abc import ABC, abstractmethod
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .prompt import Message, content_text as _text
 
@@ -76,30 +76,43 @@ class SessionLog(ABC):
     def append(self, session: str, messages: list[Message], state: dict | None = None) -> list[int]:
         """Append ``messages`` to the end of ``session``; return their ids. ``state``: the session's
         view state, written in the same transaction (a crash leaves both or neither)."""
-        now = time.time()
-        with self._transaction() as run:
-            self._lock_session(run, session)
-            seq = run("SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE session=?", (session,)).fetchone()[0]
-            ids = []
-            for m in messages:
-                call = ""
-                for c in m.get("tool_calls") or []:
-                    fn = c.get("function", {})
-                    run("INSERT INTO calls VALUES (?, ?, ?, ?) ON CONFLICT (session, call_id) "
-                        "DO UPDATE SET name=excluded.name, arguments=excluded.arguments",
-                        (session, _clean(c.get("id")), _clean(fn.get("name")), _clean(_args(fn))))
-                if m.get("role") == "tool":
-                    row = run("SELECT name, arguments FROM calls WHERE session=? AND call_id=?",
-                              (session, _clean(m.get("tool_call_id")))).fetchone()
-                    call = " ".join(row) if row else m.get("name") or ""
-                body = _clean(_text(m.get("content")) + "".join(
-                    f"\n{c['function'].get('name') or ''} {_args(c['function'])}" for c in m.get("tool_calls") or []))
-                call = _clean(call)
-                row = (session, seq, _clean(m.get("role", "")), call, body, json.dumps(m), now)
-                ids.append(self._insert_message(run, row, " ".join(words(body + " " + call))))
-                seq += 1
+        with self.transaction(session) as tx:
+            ids = tx.append(session, messages)
             if state is not None:
-                run(PUT_STATE, (session, json.dumps(state)))
+                tx.put_state(session, state)
+        return ids
+
+    @contextmanager
+    def transaction(self, lock: str) -> Iterator[LogTransaction]:
+        """One transaction holding the session lock ``lock`` (across processes and replicas): what
+        is read in it and what is written in it are one step, so two requests on one session can
+        neither interleave nor both append the same messages."""
+        with self._transaction() as run:
+            self._lock_session(run, lock)
+            yield LogTransaction(self, run)
+
+    def _append(self, run: Exec, session: str, messages: list[Message]) -> list[int]:
+        self._lock_session(run, session)
+        now = time.time()
+        seq = run("SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE session=?", (session,)).fetchone()[0]
+        ids = []
+        for m in messages:
+            call = ""
+            for c in m.get("tool_calls") or []:
+                fn = c.get("function", {})
+                run("INSERT INTO calls VALUES (?, ?, ?, ?) ON CONFLICT (session, call_id) "
+                    "DO UPDATE SET name=excluded.name, arguments=excluded.arguments",
+                    (session, _clean(c.get("id")), _clean(fn.get("name")), _clean(_args(fn))))
+            if m.get("role") == "tool":
+                row = run("SELECT name, arguments FROM calls WHERE session=? AND call_id=?",
+                          (session, _clean(m.get("tool_call_id")))).fetchone()
+                call = " ".join(row) if row else m.get("name") or ""
+            body = _clean(_text(m.get("content")) + "".join(
+                f"\n{c['function'].get('name') or ''} {_args(c['function'])}" for c in m.get("tool_calls") or []))
+            call = _clean(call)
+            row = (session, seq, _clean(m.get("role", "")), call, body, json.dumps(m), now)
+            ids.append(self._insert_message(run, row, " ".join(words(body + " " + call))))
+            seq += 1
         return ids
 
     def history(self, session: str, offset: int = 0, limit: int | None = None) -> list[Message]:
@@ -117,6 +130,10 @@ class SessionLog(ABC):
     def put_state(self, session: str, state: dict) -> None:
         self._execute(PUT_STATE, (session, json.dumps(state)))
 
+    def states_like(self, session: str) -> dict[str, dict]:
+        """The view states of ``session`` and of its forks ``session.N`` (see server.sessions)."""
+        return _states_like(lambda sql, p: self._execute(sql, p), session)
+
     def add_note(self, session: str, kind: str, text: str) -> int:
         return self._execute("INSERT INTO notes (session, kind, text, created) VALUES (?, ?, ?, ?) RETURNING id",
                              (session, kind, _clean(text), time.time()))[0][0]
@@ -124,6 +141,33 @@ class SessionLog(ABC):
     def notes(self, session: str) -> list[tuple[str, str]]:
         rows = self._execute("SELECT kind, text FROM notes WHERE session=? ORDER BY id", (session,))
         return [tuple(r) for r in rows]
+
+
+def _states_like(run: Callable, session: str) -> dict[str, dict]:
+    rows = run("SELECT session, state FROM views WHERE session = ? OR session LIKE ?",
+               (session, session + ".%"))  # LIKE narrows; the filter below is exact
+    rows = rows.fetchall() if hasattr(rows, "fetchall") else rows
+    return {r[0]: json.loads(r[1]) for r in rows if r[0] == session or r[0].startswith(session + ".")}
+
+
+class LogTransaction:
+    """What can be done inside ``SessionLog.transaction``: read view states, append, write state."""
+
+    def __init__(self, log: SessionLog, run: Exec):
+        self._log, self._run = log, run
+
+    def get_state(self, session: str) -> dict | None:
+        row = self._run("SELECT state FROM views WHERE session=?", (session,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def states_like(self, session: str) -> dict[str, dict]:
+        return _states_like(self._run, session)
+
+    def append(self, session: str, messages: list[Message]) -> list[int]:
+        return self._log._append(self._run, session, messages) if messages else []
+
+    def put_state(self, session: str, state: dict) -> None:
+        self._run(PUT_STATE, (session, json.dumps(state)))
 
 
 def is_postgres_url(target: str) -> bool:

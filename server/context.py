@@ -15,13 +15,15 @@ from ..compaction.config import ClearToolUses
 from ..compaction.policy import ContextManagement, default_policy
 from ..compaction.prompt import Message, PromptRenderer
 from ..compaction.summarize import ModelClient, summarize
-from .sessions import Sessions, session_key
+from .sessions import SessionRef, Sessions
 
 log = logging.getLogger("agentkv.context")
 
 
 @dataclass
 class Prepared:
+    key: str                # the session's storage key (owner/id)
+    session_id: str         # its public id (X-Session-Id)
     messages: list[Message]
     report: dict[str, Any]
     edits: list  # PromptEdit of clearing in this request, against the pre-clearing view prompt
@@ -33,9 +35,10 @@ class ContextManager:
     def __init__(self, sessions: Sessions, renderer: PromptRenderer, summarizer: ModelClient):
         self.sessions, self.renderer, self.summarizer = sessions, renderer, summarizer
 
-    def prepare(self, key: str, session_id: str, messages: list[Message], tools: list | None,
+    def prepare(self, owner: str, ref: SessionRef, messages: list[Message], tools: list | None,
                 policy: ContextManagement | None, want_ids: bool = False, window: int | None = None) -> Prepared:
-        state = self.sessions.sync(key, messages)
+        synced = self.sessions.sync(owner, ref, messages)
+        key, session_id, state = synced.key, synced.id, synced.state
         view, where = state.view(messages)
         before = self.renderer.count(messages, tools)
         applied: list[dict] = []
@@ -81,19 +84,17 @@ class ContextManager:
         if failed:
             report["failed_edits"] = failed
         ids = self.renderer.render(view, tools).token_ids if want_ids else []
-        return Prepared(view, report, kv_edits, old_ids, ids)
+        return Prepared(key, session_id, view, report, kv_edits, old_ids, ids)
 
 
-async def manage(ctx: ContextManager, cfg, window: int, owner: str, session_id: str | None,
+async def manage(ctx: ContextManager, cfg, window: int, owner: str, ref: SessionRef,
                  conversation: list[Message], tools: list | None, requested: ContextManagement | None,
-                 want_ids: bool = False) -> tuple[str, str, Prepared]:
+                 want_ids: bool = False) -> Prepared:
     """The request path's compaction step for any API: the session, the policy (the request's, else
     the server default when enabled), then ``prepare`` off the event loop."""
     import asyncio
 
-    key, sid = session_key(owner, session_id, conversation)
     policy = requested
     if policy is None and cfg.context_management:
         policy = default_policy(window, cfg.clear_at, cfg.compact_at)
-    return key, sid, await asyncio.to_thread(ctx.prepare, key, sid, conversation, tools, policy, want_ids,
-                                             window or None)
+    return await asyncio.to_thread(ctx.prepare, owner, ref, conversation, tools, policy, want_ids, window or None)

@@ -20,6 +20,7 @@ from .deps import ContextDep, EngineDep, OwnerDep
 from .proxy import unavailable, unavailable_message
 from .schemas import require_utf8
 from .context import manage
+from .sessions import session_ref
 
 router = APIRouter(prefix="/v1")
 
@@ -84,9 +85,10 @@ async def messages(req: MessagesRequest, request: Request, engine: EngineDep, ow
     body = require_utf8(req.model_dump(exclude_unset=True, exclude={"context_management", "session_id"}))
     body["model"] = req.model or cfg.model_name
     conversation = to_openai(body.get("system"), body["messages"])
-    _, sid, prepared = await manage(ctx, cfg, request.app.state.supervisor.max_model_len, owner,
-                                    request.headers.get("x-session-id") or req.session_id, conversation,
-                                    tools_to_openai(body.get("tools")), req.context_management)
+    prepared = await manage(ctx, cfg, request.app.state.supervisor.max_model_len, owner,
+                            session_ref(request.headers, {"session_id": req.session_id, **body}), conversation,
+                            tools_to_openai(body.get("tools")), req.context_management)
+    sid = prepared.session_id
     system, body["messages"] = to_anthropic(prepared.messages)
     if system:
         body["system"] = system

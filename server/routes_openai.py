@@ -12,6 +12,7 @@ from .errors import APIError
 from .proxy import relay_stream, unavailable
 from .schemas import ChatCompletionRequest, CompletionRequest, forward_body
 from .context import manage
+from .sessions import session_ref
 
 router = APIRouter(prefix="/v1")
 
@@ -21,9 +22,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, engine:
                            owner: OwnerDep, ctx: ContextDep) -> Response:
     cfg = request.app.state.cfg
     body = forward_body(req, cfg.model_name)
-    key, sid, prepared = await manage(ctx, cfg, request.app.state.supervisor.max_model_len, owner,
-                                      request.headers.get("x-session-id") or req.session_id, body["messages"],
-                                      body.get("tools"), req.context_management, cfg.kv_connector)
+    prepared = await manage(ctx, cfg, request.app.state.supervisor.max_model_len, owner,
+                            session_ref(request.headers, {"session_id": req.session_id, **body}), body["messages"],
+                            body.get("tools"), req.context_management, cfg.kv_connector)
+    key, sid = prepared.key, prepared.session_id
     body["messages"] = prepared.messages
     if cfg.kv_connector:
         await kv_reuse.attach(request.app.state, engine, body, key, prepared, req.kv_reuse or cfg.kv_reuse)

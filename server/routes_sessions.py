@@ -18,7 +18,7 @@ router = APIRouter(prefix="/v1/sessions")
 
 
 async def _lookup(request: Request, owner: str, session_id: str):
-    key, sid = session_key(owner, session_id, [])
+    key, sid = session_key(owner, session_id)
     log = request.app.state.sessions.log
     count = await asyncio.to_thread(log.count, key)
     if count == 0:
