@@ -65,7 +65,8 @@ def stream_error(exc: Exception) -> bytes:
 
 
 async def relay_stream(resp: httpx.Response) -> Response:
-    """Relay a streamed engine response: SSE bytes as they come, or the engine's error as JSON."""
+    """Relay a streamed engine response: SSE bytes as they come, or the engine's error as JSON. A
+    stream that breaks, or ends without ``[DONE]``, ends with an error event instead of looking complete."""
     if resp.status_code != 200:
         await resp.aread()
         await resp.aclose()
@@ -73,11 +74,20 @@ async def relay_stream(resp: httpx.Response) -> Response:
         return JSONResponse(payload, status_code=status)
 
     async def body() -> AsyncIterator[bytes]:
+        tail = b""
         try:
             async for chunk in resp.aiter_raw():
+                tail = (tail + chunk)[-64:]
                 yield chunk
         except httpx.TransportError as exc:
             yield stream_error(exc)
+            return
+        if b"data: [DONE]" not in tail:
+            yield stream_error(EngineStreamCut())
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"}, background=BackgroundTask(resp.aclose))
+
+
+class EngineStreamCut(Exception):
+    """The engine's stream ended before ``[DONE]``."""

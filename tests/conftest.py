@@ -178,6 +178,20 @@ def log_target(request, tmp_path) -> str:
 
 
 @pytest.fixture(scope="session")
+def wide_server(tmp_path_factory) -> Server:
+    """The tiny model with a 200k window, for the real agent harnesses (Claude Code's first request
+    is ~40k tokens with the tiny tokenizer and it assumes a 200k window; Codex assumes 258k)."""
+    from agentkv.server.embedded_model import TinyModelSpec, build_model
+
+    home = tmp_path_factory.mktemp("agentkv-wide")
+    model = build_model(home / "tiny-wide", TinyModelSpec(max_position_embeddings=262144))
+    srv = start_server(home, "--model", str(model), "--served-model-name", "agentkv-tiny",
+                       "--max-model-len", "200000")
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="session")
 def small_server(tmp_path_factory, request) -> Server:
     """A second server for the reliability tests: a 1024-token window (every generation is short,
     so fuzzing cannot make a request run for minutes) and its session log on PostgreSQL where

@@ -1,0 +1,228 @@
+"""One chat completion through the engine with server-tool rounds resolved: the engine step every
+API shares (/v1/chat/completions, /v1/messages and /v1/responses differ only in how they encode it).
+
+Streamed: ``open_stream`` starts the engine's stream (or returns its refusal as a response), then
+``EngineStream.chunks()`` yields the OpenAI ``chat.completion.chunk`` dicts the client should see,
+each as soon as the engine sends it. Server tool calls are held until their round ends, executed,
+and generation continues; client tool calls are passed on. Afterwards ``usage`` (summed over
+rounds), ``server_tool_calls`` and ``error`` (an OpenAI error body when the engine's stream broke
+or ended without ``[DONE]``) tell the encoder how to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi.responses import JSONResponse, Response
+
+from ..compaction.session_log import SessionLog
+from . import server_tools
+from .errors import error_body
+from .proxy import EngineClient, json_of, unavailable, unavailable_message
+
+PATH = "/v1/chat/completions"
+
+
+class ToolRunner:
+    """Executes server tool calls against one session and logs the exchange (append-only)."""
+
+    def __init__(self, log: SessionLog, session: str, max_rounds: int):
+        self.log, self.session, self.max_rounds = log, session, max_rounds
+
+    async def run(self, calls: list[dict]) -> list[dict]:
+        def work() -> list[dict]:
+            out = [{"id": c.get("id"), "name": c["function"]["name"], "arguments": c["function"].get("arguments", ""),
+                    "result": server_tools.execute(self.log, self.session, c["function"]["name"],
+                                                   c["function"].get("arguments", ""))} for c in calls]
+            self.log.append(self.session, [{"role": "assistant", "content": None, "tool_calls": calls}] +
+                            [{"role": "tool", "tool_call_id": r["id"], "content": r["result"]} for r in out])
+            return out
+        return await asyncio.to_thread(work)
+
+
+def split_calls(calls: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(server tool calls, client tool calls)."""
+    ours = [c for c in calls if c.get("function", {}).get("name") in server_tools.NAMES]
+    return ours, [c for c in calls if c not in ours]
+
+
+def next_round(body: dict, content: str | None, calls: list[dict], results: list[dict]) -> dict:
+    """The follow-up request: the server calls and their results appended. A forced tool choice or
+    output constraint applied to producing the call, so the follow-up is free (`auto`)."""
+    body = copy.deepcopy(body)
+    body["messages"] = body["messages"] + [{"role": "assistant", "content": content, "tool_calls": calls}] + \
+        [{"role": "tool", "tool_call_id": r["id"], "content": r["result"]} for r in results]
+    if body.get("tool_choice") not in (None, "auto", "none"):
+        body["tool_choice"] = "auto"
+    body.pop("structured_outputs", None)
+    return body
+
+
+def add_usage(total: dict | None, usage: dict | None) -> dict | None:
+    if not usage:
+        return total
+    if total is None:
+        return copy.deepcopy(usage)
+    for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        total[k] = total.get(k, 0) + usage.get(k, 0)
+    return total
+
+
+async def completion(engine: EngineClient, body: dict, runner: ToolRunner | None) -> tuple[int, dict, list[dict]]:
+    """Non-streamed: (status, the engine's final payload with usage summed over rounds, server
+    tool calls run). Raises httpx.TransportError when the engine is unreachable."""
+    usage, annotations = None, []
+    for round_ in range((runner.max_rounds if runner else 0) + 1):
+        status, payload = await engine.post_json(PATH, body)
+        if status != 200:
+            return status, payload, annotations
+        usage = add_usage(usage, payload.get("usage"))
+        message = payload["choices"][0]["message"]
+        ours, theirs = split_calls(message.get("tool_calls") or [])
+        if runner is None or not ours:
+            break
+        if round_ == runner.max_rounds:  # bound reached: hand back what the client can use
+            message["tool_calls"] = theirs or None
+            payload["choices"][0]["finish_reason"] = "tool_calls" if theirs else "stop"
+            break
+        results = await runner.run(ours)
+        annotations += results
+        if theirs:
+            message["tool_calls"] = theirs
+            break
+        body = next_round(body, message.get("content"), ours, results)
+    if usage is not None:
+        payload["usage"] = usage
+    return 200, payload, annotations
+
+
+def with_usage(body: dict) -> dict:
+    """The engine request of a stream: usage always asked for (encoders need it; the OpenAI encoder
+    drops the usage chunk when its client did not ask)."""
+    return {**body, "stream": True, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
+
+
+async def open_stream(engine: EngineClient, body: dict) -> httpx.Response | Response:
+    """Start the engine's stream; a refusal (or an unreachable engine) comes back as the response
+    to send instead of a stream."""
+    try:
+        resp = await engine.post_stream(PATH, body)
+    except httpx.TransportError as exc:
+        return unavailable(exc)
+    if resp.status_code != 200:
+        await resp.aread()
+        await resp.aclose()
+        status, payload = json_of(resp)
+        return JSONResponse(payload, status_code=status)
+    return resp
+
+
+async def sse_data(resp: httpx.Response) -> AsyncIterator[str]:
+    """The ``data:`` payloads of a server-sent event stream, as they arrive."""
+    buf = b""
+    async for chunk in resp.aiter_raw():
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            for line in event.decode().splitlines():
+                if line.startswith("data:"):
+                    yield line[5:].strip()
+
+
+class EngineStream:
+    def __init__(self, engine: EngineClient, body: dict, runner: ToolRunner | None, first: httpx.Response):
+        self.engine, self.body, self.runner, self._resp = engine, body, runner, first
+        self.usage: dict | None = None
+        self.server_tool_calls: list[dict] = []
+        self.error: dict | None = None
+
+    async def _round(self, calls: dict[int, dict]) -> AsyncIterator[dict]:
+        """One engine stream: chunks to pass on (tool-call deltas and finishes held back when server
+        tools are on, returned through ``self._held``); sets ``self.error`` if it breaks."""
+        self._held = []
+        done = False
+        try:
+            async for data in sse_data(self._resp):
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk and not chunk.get("choices"):
+                    yield chunk
+                    continue
+                if not chunk.get("choices"):  # the usage chunk
+                    self.usage = add_usage(self.usage, chunk.get("usage"))
+                    continue
+                delta = chunk["choices"][0].get("delta") or {}
+                for tc in delta.get("tool_calls") or []:
+                    c = calls.setdefault(tc.get("index", 0), {"id": None, "type": "function",
+                                                             "function": {"name": "", "arguments": ""}})
+                    c["id"] = tc.get("id") or c["id"]
+                    fn = tc.get("function") or {}
+                    c["function"]["name"] += fn.get("name") or ""
+                    c["function"]["arguments"] += fn.get("arguments") or ""
+                if self.runner and (delta.get("tool_calls") or chunk["choices"][0].get("finish_reason")):
+                    self._held.append(chunk)
+                    continue
+                yield chunk
+        except httpx.TransportError as exc:  # the engine went away mid-stream
+            self.error = error_body(503, unavailable_message(exc), code="engine_unavailable")
+        finally:
+            await self._resp.aclose()
+        if not done and self.error is None:
+            self.error = error_body(503, "the inference engine's stream ended before it was complete",
+                                    code="engine_unavailable")
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        runner = self.runner
+        for round_ in range((runner.max_rounds if runner else 0) + 1):
+            calls: dict[int, dict] = {}
+            async for chunk in self._round(calls):
+                yield chunk
+            if self.error is not None:
+                return
+            ours, theirs = split_calls([calls[i] for i in sorted(calls)])
+            if runner and ours and round_ < runner.max_rounds and not theirs:
+                results = await runner.run(ours)
+                self.server_tool_calls += results
+                self.body = next_round(self.body, None, ours, results)
+                try:
+                    resp = await self.engine.post_stream(PATH, self.body)
+                except httpx.TransportError as exc:
+                    self.error = error_body(503, unavailable_message(exc), code="engine_unavailable")
+                    return
+                if resp.status_code != 200:  # the follow-up was refused (e.g. the context is full)
+                    await resp.aread()
+                    await resp.aclose()
+                    self.error = json_of(resp)[1]
+                    return
+                self._resp = resp
+                continue
+            if runner and ours:
+                self.server_tool_calls += await runner.run(ours) if round_ < runner.max_rounds else []
+            keep = {i for i in calls if calls[i] not in ours}
+            for chunk in self._held:
+                d = chunk["choices"][0].get("delta") or {}
+                if d.get("tool_calls"):
+                    d["tool_calls"] = [tc for tc in d["tool_calls"] if tc.get("index", 0) in keep]
+                    if not d["tool_calls"]:
+                        continue
+                if chunk["choices"][0].get("finish_reason") == "tool_calls" and not keep:
+                    chunk["choices"][0]["finish_reason"] = "stop"
+                yield chunk
+            return
+
+
+def extra_fields(report: dict | None, annotations: list[dict]) -> dict[str, Any]:
+    """agentkv's additions to a response: the context-management report and server tool calls."""
+    out: dict[str, Any] = {}
+    if report is not None:
+        out["context_management"] = report
+    if annotations:
+        out["server_tool_calls"] = annotations
+    return out
