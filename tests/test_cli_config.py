@@ -51,6 +51,7 @@ def test_environment_sets_fields_and_flags_win(monkeypatch):
     (["--port", "70000"], "--port"),
     (["--device", "tpu"], "invalid choice"),
     (["--kv-cache-gib", "0"], "--kv-cache-gib"),
+    (["--engine-arg=--api-key=mine"], "--engine-arg: Value error, the engine's key is agentkv's own"),
 ])
 def test_bad_flags_exit_2_with_a_message(args, needle):
     r = subprocess.run([sys.executable, "-m", "agentkv.server.cli", "serve", *args],
