@@ -11,7 +11,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from .config import ServeConfig
+from .config import ServeConfig, env_var
+from .home import PRIVATE_UMASK, secure_home, sqlite_files
 
 
 def _flag_type(annotation) -> tuple[type, dict]:
@@ -27,14 +28,18 @@ def _flag_type(annotation) -> tuple[type, dict]:
     return annotation, {}
 
 
+def flag_name(field: str) -> str:
+    return "--engine-arg" if field == "engine_args" else "--" + field.replace("_", "-")
+
+
 def add_config_flags(parser: argparse.ArgumentParser, model: type[ServeConfig]) -> None:
     for name, field in model.model_fields.items():
         kind, extra = _flag_type(field.annotation)
         shown = field.default not in (None, ())
         help_text = field.description + (f" (default: {field.default})" if shown else "")
-        flag = "--" + name.replace("_", "-")
+        flag = flag_name(name)
         if name == "engine_args":
-            flag, help_text = "--engine-arg", "extra argument passed to vLLM; repeat for more"
+            help_text = "extra argument passed to vLLM; repeat for more"
         if "action" not in extra:
             extra["type"] = kind
         parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=help_text, **extra)
@@ -42,10 +47,11 @@ def add_config_flags(parser: argparse.ArgumentParser, model: type[ServeConfig]) 
 
 def env_values(model: type[ServeConfig] = ServeConfig) -> dict:
     """Fields set as environment variables, ``AGENTKV_<FIELD>`` (``AGENTKV_API_KEY=k1,k2``): how
-    containers pass secrets such as keys and the PostgreSQL URL without putting them in argv."""
+    secrets such as keys and the PostgreSQL URL are passed without putting them in argv, which
+    every local user can read."""
     values = {}
     for name, field in model.model_fields.items():
-        raw = os.environ.get(f"AGENTKV_{name.upper()}")
+        raw = os.environ.get(env_var(name))
         if raw is not None:
             values[name] = tuple(p for p in raw.split(",") if p) if typing.get_origin(field.annotation) is tuple \
                 else raw
@@ -64,16 +70,17 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     from .app import create_app
 
-    from .errors import SESSION_LOG_ERRORS
+    from .errors import SESSION_LOG_OPEN_ERRORS
 
     cfg = _config_from(ns)
+    secure_home(sqlite_files(cfg.session_db_path))
     from .supervisor import resolve_model_path
 
     resolve_model_path(cfg)  # an embedded model is built now (first run), so a failure is a CLI error
     try:
         app = create_app(cfg)
-    except SESSION_LOG_ERRORS as exc:
-        raise ValueError(f"cannot open the session log (--session-db): {exc}") from None
+    except SESSION_LOG_OPEN_ERRORS as exc:  # libpq may echo the URL: never its password
+        raise ValueError(cfg.redact(f"cannot open the session log (--session-db): {exc}")) from None
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                 timeout_graceful_shutdown=30)
     return 0
@@ -82,6 +89,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 def cmd_model_build(ns: argparse.Namespace) -> int:
     from .embedded_model.catalog import build
 
+    if not ns.out:
+        secure_home()
     print(build(ns.name, Path(ns.out) if ns.out else None, ns.force, Path(ns.gguf) if ns.gguf else None))
     return 0
 
@@ -147,11 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    if ns.command in ("serve", "model"):  # what they write (session log, models, run files) is private
+        os.umask(PRIVATE_UMASK)
     try:
         return ns.func(ns)
     except ValidationError as exc:
         err = exc.errors()[0]
-        parser.exit(2, f"agentkv: error: --{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: {err['msg']}\n")
+        parser.exit(2, f"agentkv: error: {flag_name(str(err['loc'][0]))}: {err['msg']}\n")
     except ValueError as exc:
         parser.exit(2, f"agentkv: error: {exc}\n")
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
+from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -17,6 +19,20 @@ def agentkv_home() -> Path:
     return Path(os.environ.get("AGENTKV_HOME") or Path.home() / ".cache" / "agentkv")
 
 
+def env_var(field: str) -> str:
+    """The environment variable that sets a config field: ``AGENTKV_<FIELD>``."""
+    return f"AGENTKV_{field.upper()}"
+
+
+_URL_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#@:]*:([^/?#]*)@|[?&]password=([^&#]*)")
+
+
+def url_passwords(url: str) -> tuple[str, ...]:
+    """The passwords in a database URL (``user:PASS@host``, ``?password=PASS``), raw and decoded."""
+    found = {g for m in _URL_PASSWORD.finditer(url) for g in m.groups() if g}
+    return tuple(sorted(found | {unquote(p) for p in found}))
+
+
 class ServeConfig(BaseModel):
     """Everything `agentkv serve` needs. Each field is a `--flag` of the same name."""
 
@@ -27,7 +43,7 @@ class ServeConfig(BaseModel):
     host: str = Field("127.0.0.1", description="address the OpenAI-compatible API binds to")
     port: int = Field(8000, ge=0, le=65535, description="port of the API (0: pick a free one)")
     max_model_len: int | None = Field(None, gt=0, description="context window; default: the model's")
-    api_key: tuple[str, ...] = Field((), description="accepted API key (repeat for several); each key sees only its own sessions")
+    api_key: tuple[str, ...] = Field((), repr=False, description="accepted API key (repeat for several); each key sees only its own sessions")
     served_model_name: str | None = Field(None, description="model name clients use; default: --model")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where vLLM runs; auto: cuda if a GPU is visible")
     tool_call_parser: str | None = Field("hermes", description="vLLM tool-call parser for the model ('' to disable)")
@@ -51,7 +67,7 @@ class ServeConfig(BaseModel):
     blend_fraction: float = Field(0.15, ge=0, le=1, description="blend: fraction of the moved tokens recomputed")
     kv_store_gib: float = Field(2.0, gt=0, description="connector: host memory for saved prompt K/V")
     max_request_mb: float = Field(32.0, gt=0, description="largest accepted request body (MiB)")
-    session_db: str | None = Field(None, description="session log: a SQLite path or a postgresql:// URL; default $AGENTKV_HOME/sessions.db")
+    session_db: str | None = Field(None, repr=False, description="session log: a SQLite path or a postgresql:// URL; default $AGENTKV_HOME/sessions.db")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
     @field_validator("host")
@@ -81,6 +97,26 @@ class ServeConfig(BaseModel):
         if any(not k for k in v):
             raise ValueError("an API key must not be empty")
         return v
+
+    @field_validator("engine_args")
+    @classmethod
+    def _engine_key_is_ours(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(a == "--api-key" or a.startswith("--api-key=") for a in v):
+            raise ValueError("the engine's key is agentkv's own per-launch secret; "
+                             "clients' keys are agentkv's --api-key")
+        return v
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """What must never be logged, shown or put in a child's argv: the API keys and the
+        session database's password."""
+        return self.api_key + (url_passwords(self.session_db) if self.session_db else ())
+
+    def redact(self, text: str) -> str:
+        """``text`` with every secret of this config replaced by ``***``."""
+        for secret in sorted(self.secrets, key=len, reverse=True):
+            text = text.replace(secret, "***")
+        return text
 
     @property
     def kv_connector(self) -> bool:

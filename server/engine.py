@@ -1,9 +1,11 @@
 """The vLLM engine as a child process: launch, health, shutdown.
 
 The front (server/app.py) owns the request path and talks to this child over loopback HTTP with a
-per-launch secret. The child runs in its own process group with its working directory outside the
-repository, so nothing in the repo can shadow an installed package inside vLLM (`python -m` puts
-the working directory first on sys.path), and the whole group is reaped on stop.
+per-launch secret, which the child gets in its environment (``VLLM_API_KEY``), never in its argv:
+any local user can read a process's argv, only its owner its environment. The child runs in its
+own process group with its working directory outside the repository, so nothing in the repo can
+shadow an installed package inside vLLM (`python -m` puts the working directory first on
+sys.path), and the whole group is reaped on stop.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from .config import ServeConfig, agentkv_home
+from .config import ServeConfig, agentkv_home, env_var
 
 log = logging.getLogger("agentkv.engine")
 
@@ -83,7 +85,6 @@ class EngineProcess:
             "--model", self.model_path,
             "--served-model-name", c.model_name,
             "--host", "127.0.0.1", "--port", str(self.port),
-            f"--api-key={self.secret}",  # '=': a secret may start with '-'
             "--enable-prefix-caching",
             "--enable-prompt-tokens-details",
             "--tensor-parallel-size", str(c.tensor_parallel_size),
@@ -109,7 +110,10 @@ class EngineProcess:
         return argv + list(c.engine_args)
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        """The front's environment without its own settings (client keys, the session database's
+        URL: the engine needs neither), plus the engine's secret and vLLM's settings."""
+        env = {k: v for k, v in os.environ.items() if k not in {env_var(f) for f in ServeConfig.model_fields}}
+        env["VLLM_API_KEY"] = self.secret
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
         if Path(self.model_path).is_dir():

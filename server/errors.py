@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 SESSION_LOG_ERRORS = (sqlite3.OperationalError, psycopg.OperationalError)
+SESSION_LOG_OPEN_ERRORS = (sqlite3.DatabaseError, psycopg.Error)  # a --session-db that cannot be opened
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable"}

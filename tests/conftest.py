@@ -62,12 +62,13 @@ class Server:
         return httpx.Client(base_url=self.base_url, headers=headers, timeout=300, **kw)
 
 
-def start_server(home: Path, *extra: str) -> Server:
+def start_server(home: Path, *extra: str, env: dict[str, str] | None = None) -> Server:
+    """`agentkv serve` with its home in ``home``; the keys come from the environment, as README
+    advises (argv is visible to every local user), ``env`` adds to it."""
     port = _free_port()
     log_path = home / "server.log"
-    env = dict(os.environ, AGENTKV_HOME=str(home))
-    cmd = [sys.executable, "-m", "agentkv.server.cli", "serve", "--port", str(port),
-           "--api-key", API_KEY, "--api-key", OTHER_KEY, *extra]
+    env = dict(os.environ, AGENTKV_HOME=str(home), AGENTKV_API_KEY=f"{API_KEY},{OTHER_KEY}", **(env or {}))
+    cmd = [sys.executable, "-m", "agentkv.server.cli", "serve", "--port", str(port), *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

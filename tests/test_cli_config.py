@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -51,10 +52,11 @@ def test_environment_sets_fields_and_flags_win(monkeypatch):
     (["--port", "70000"], "--port"),
     (["--device", "tpu"], "invalid choice"),
     (["--kv-cache-gib", "0"], "--kv-cache-gib"),
+    (["--engine-arg=--api-key=mine"], "--engine-arg: Value error, the engine's key is agentkv's own"),
 ])
-def test_bad_flags_exit_2_with_a_message(args, needle):
-    r = subprocess.run([sys.executable, "-m", "agentkv.server.cli", "serve", *args],
-                       capture_output=True, text=True, timeout=120)
+def test_bad_flags_exit_2_with_a_message(args, needle, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "agentkv.server.cli", "serve", *args], capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, AGENTKV_HOME=str(tmp_path)))
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
 
 
