@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kernel_reference import expected_moves, hf_rotate, write_expected
 from transformers import GPTJConfig, PhiConfig
 
-from agentkv.kernels import PagedKV, RopeParams, Span, build_plan, evict_spans, move_tokens
+from agentkv.kernels import PagedKV, RopeParams, Span, apply_plan, build_plan, evict_spans, move_tokens
 from agentkv.kernels.evict_loop import rotate_complex
 from agentkv.kernels.rope import rotate
 
@@ -251,3 +251,18 @@ def test_cpu_layout_views_match_vllm_storage():
     for b, o, hh, j in [(0, 0, 0, 0), (1, 3, 2, 7), (0, 2, 1, 5)]:
         assert kv.key[b, o, hh, j] == flat[b, hh, j * bs + o]
         assert kv.value[b, o, hh, j] == flat[b, hh, bs * d + o * d + j]
+
+
+def test_mismatched_kernel_inputs_are_refused():
+    rope = RopeParams.default(64)
+    a = view(new_raw("flash", 4, 4, 2, 64, torch.float32), "flash")
+    b = view(new_raw("flash", 4, 4, 2, 64, torch.float32), "flash")
+    three_heads = view(new_raw("flash", 4, 4, 3, 64, torch.float32), "flash")
+    with pytest.raises(ValueError, match="one each per token"):
+        move_tokens(a, b, torch.arange(3), torch.arange(2), torch.zeros(3, dtype=torch.int64), rope)
+    with pytest.raises(ValueError, match="destination heads x head_dim 3 x 64 != source 2 x 64"):
+        move_tokens(a, three_heads, torch.arange(2), torch.arange(2), torch.zeros(2, dtype=torch.int64), rope)
+    # a plan that left out unmoved tokens (same slot ids) is only valid within one cache
+    plan = build_plan(8, [Span(5, 6)], torch.arange(2), torch.arange(2), 4)
+    with pytest.raises(ValueError, match="within one cache only"):
+        apply_plan([a], plan, rope, dst_layers=[b])
