@@ -27,12 +27,25 @@ def _backend(name: Backend, device: torch.device) -> Callable:
     return {"torch": copy_rotate_torch, "loop": copy_rotate_loop}[name]
 
 
+def _same_cache(a: PagedKV, b: PagedKV) -> bool:
+    return a.key.untyped_storage().data_ptr() == b.key.untyped_storage().data_ptr()
+
+
+def _check_pair(src: PagedKV, dst: PagedKV, rope: RopeParams) -> None:
+    if src.head_dim != rope.head_dim:
+        raise ValueError(f"cache head_dim {src.head_dim} != rope head_dim {rope.head_dim}")
+    if (dst.num_kv_heads, dst.head_dim) != (src.num_kv_heads, src.head_dim):
+        raise ValueError(f"destination heads x head_dim {dst.num_kv_heads} x {dst.head_dim} != source "
+                         f"{src.num_kv_heads} x {src.head_dim}")
+
+
 def apply_plan(layers: Sequence[PagedKV], plan: EvictionPlan, rope: RopeParams,
                replacement: Sequence[PagedKV] | None = None, dst_layers: Sequence[PagedKV] | None = None,
                backend: Backend = "auto") -> None:
     """Run ``plan`` on every layer. ``dst_layers`` default to ``layers`` (same cache, other blocks or
-    in place). Overlapping moves are staged through a temporary copy of the moved rows, costing
-    ``n_moved * heads * head_dim * 2`` elements of extra memory for one layer at a time."""
+    in place); another cache may have another block size. Overlapping moves within one cache are
+    staged through a temporary copy of the moved rows, costing ``n_moved * heads * head_dim * 2``
+    elements of extra memory for one layer at a time."""
     dst_layers = dst_layers or layers
     if len(dst_layers) != len(layers) or (replacement is not None and len(replacement) != len(layers)):
         raise ValueError("one source, destination and replacement cache per layer")
@@ -42,12 +55,14 @@ def apply_plan(layers: Sequence[PagedKV], plan: EvictionPlan, rope: RopeParams,
     device = layers[0].key.device
     cos, sin = rope.cos_sin(plan.deltas, device)
     no_seg = torch.zeros(1, 1, device=device)
-    staged = plan.overlaps()
+    overlaps = plan.overlaps()
     for i, (src, dst) in enumerate(zip(layers, dst_layers)):
-        if src.head_dim != rope.head_dim:
-            raise ValueError(f"cache head_dim {src.head_dim} != rope head_dim {rope.head_dim}")
+        _check_pair(src, dst, rope)
+        same = _same_cache(src, dst)
+        if plan.skip_unmoved and not same:
+            raise ValueError("a plan built with skip_unmoved applies within one cache only")
         src_slots, from_cache = plan.src_slots, src
-        if staged:
+        if same and overlaps:
             n = plan.n_moved
             rows = PagedKV.from_rows(src.key.new_empty(n, src.num_kv_heads, src.head_dim),
                                      src.value.new_empty(n, src.num_kv_heads, src.head_dim))
@@ -65,6 +80,10 @@ def move_tokens(src: PagedKV, dst: PagedKV, src_slots: torch.Tensor, dst_slots: 
                 deltas: torch.Tensor, rope: RopeParams, backend: Backend = "auto") -> None:
     """Move tokens ``src_slots[i] -> dst_slots[i]``, rotating keys by ``deltas[i]`` positions.
     Moves must not overlap (distinct caches, or disjoint slots)."""
+    if not src_slots.numel() == dst_slots.numel() == deltas.numel():
+        raise ValueError(f"{src_slots.numel()} source slots, {dst_slots.numel()} destination slots and "
+                         f"{deltas.numel()} deltas: one each per token")
+    _check_pair(src, dst, rope)
     if src_slots.numel() == 0:
         return
     device = dst.key.device
@@ -87,8 +106,10 @@ def evict_spans(layers: PagedKV | Sequence[PagedKV], src_block_table: torch.Tens
     """
     layers = [layers] if isinstance(layers, PagedKV) else list(layers)
     block = layers[0].block_size
-    dst_block = (dst_layers[0] if dst_layers else layers[0]).block_size
-    plan = build_plan(src_len, spans, src_block_table, dst_block_table, block, dst_block)
+    dsts = list(dst_layers) if dst_layers else layers
+    in_one_cache = all(_same_cache(s, d) for s, d in zip(layers, dsts))
+    plan = build_plan(src_len, spans, src_block_table, dst_block_table, block, dsts[0].block_size,
+                      skip_unmoved=in_one_cache)
     if replacement is not None and any(r.key.shape[0] != plan.replacement_slots.numel() for r in replacement):
         raise ValueError(f"replacement rows must number {plan.replacement_slots.numel()} per layer")
     apply_plan(layers, plan, rope, replacement, dst_layers, backend)

@@ -48,6 +48,7 @@ class EvictionPlan:
     deltas: torch.Tensor              # [n_segments] int64, position delta of each segment
     replacement_positions: torch.Tensor  # [n_replacement] int64, destination positions
     replacement_slots: torch.Tensor   # [n_replacement] int64
+    skip_unmoved: bool = False        # same-slot, same-position tokens left out: same cache only
 
     @property
     def n_moved(self) -> int:
@@ -75,7 +76,8 @@ def build_plan(src_len: int, spans: Sequence[Span], src_block_table: torch.Tenso
                dst_block_table: torch.Tensor, block_size: int, dst_block_size: int | None = None,
                skip_unmoved: bool = True) -> EvictionPlan:
     """Plan the moves. With ``skip_unmoved``, tokens whose slot and position stay the same (the
-    shared prefix, in place) are left out: they need no work."""
+    shared prefix, in place) are left out: they need no work, but only when source and destination
+    are the same cache (``apply_plan`` refuses such a plan across two caches)."""
     spans = _validate(spans, src_len)
     dst_block_size = dst_block_size or block_size
     device = src_block_table.device
@@ -104,4 +106,4 @@ def build_plan(src_len: int, spans: Sequence[Span], src_block_table: torch.Tenso
         moving = (src_slots != dst_slots) | (new != kept).to(device)
         src_slots, dst_slots, seg_d = src_slots[moving], dst_slots[moving], seg_d[moving]
     return EvictionPlan(src_len, dst_len, kept, new, src_slots, dst_slots, seg_d, seg_delta,
-                        rep_pos, slots_of(rep_pos.to(device), dst_block_table, dst_block_size))
+                        rep_pos, slots_of(rep_pos.to(device), dst_block_table, dst_block_size), skip_unmoved)

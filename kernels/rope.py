@@ -17,6 +17,24 @@ class UnsupportedShift(ValueError):
     """A position shift cannot be exact for this model; the caller must recompute instead."""
 
 
+# Rotary pairing per transformers ``model_type``: True = NeoX halves ``(x[i], x[i + rot/2])``,
+# False = GPT-J interleaved pairs ``(x[2i], x[2i+1])``. vLLM 0.32 has no per-config flag for this:
+# each model file passes ``is_neox_style`` to ``get_rope`` (default True), and architectures it
+# serves through its transformers backend (glm, gpt_neox, olmo, olmo2, phi, seed_oss, starcoder2,
+# arcee) rotate with transformers' code (``rotate_half`` halves; ``x[..., ::2]`` pairs in glm, glm4,
+# cohere, ernie4_5). tests/test_kernels_rope.py checks every entry against transformers' own model.
+# gptj/codegen and chatglm are handled apart (no rope parameters in their configs). Not listed, so
+# refused: no RoPE (gpt2, bloom, opt, mpt), NoPE layers (llama4, smollm3, cohere2), multimodal
+# positions (qwen2_vl, ...). transformers 5.19's one pairing flag, ``rope_interleave``, exists only
+# on MLA configs (refused below) and is not what vLLM rotates their keys by.
+PAIRING: dict[str, bool] = {
+    **dict.fromkeys(["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma",
+                     "granite", "granitemoe", "phi3", "phi", "stablelm", "gpt_neox", "olmo", "olmo2",
+                     "olmoe", "nemotron", "starcoder2", "glm4_moe", "falcon", "seed_oss", "arcee"], True),
+    **dict.fromkeys(["glm", "glm4", "cohere", "ernie4_5", "ernie4_5_moe"], False),
+}
+
+
 @dataclass(frozen=True)
 class RopeParams:
     """inv_freq: float32 ``[rotary_dim // 2]``; dims from ``rotary_dim`` on are not rotated.
@@ -46,16 +64,28 @@ class RopeParams:
         return cls(inv / linear_factor, head_dim, is_neox)
 
     @classmethod
-    def from_hf_config(cls, config, is_neox: bool = True) -> RopeParams:
-        """RoPE of a transformers config; inv_freq comes from transformers' own RoPE functions.
+    def from_hf_config(cls, config) -> RopeParams:
+        """RoPE of a transformers config: the pairing from its architecture (``PAIRING``), inv_freq
+        from transformers' own RoPE functions.
 
-        Raises UnsupportedShift where a shift cannot be exact: position-dependent scaling
-        (dynamic NTK, LongRoPE), MLA latent caches, sliding-window layers.
+        Raises UnsupportedShift where a shift cannot be exact or the pairing is not known: an
+        architecture not in ``PAIRING`` (no RoPE, NoPE layers, multimodal positions, ...),
+        position-dependent scaling (dynamic NTK, LongRoPE), MLA latent caches, sliding-window layers.
         """
+        model_type = getattr(config, "model_type", None)
         if getattr(config, "kv_lora_rank", None):
             raise UnsupportedShift("MLA latent KV cache: the rotary part is not a plain key rotation")
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             raise UnsupportedShift("sliding-window attention layers")
+        if model_type in ("gptj", "codegen"):
+            return cls._gptj(config)
+        if model_type == "chatglm":
+            return cls._chatglm(config)
+        if model_type not in PAIRING:
+            raise UnsupportedShift(f"model_type {model_type!r}: rotary pairing not known for this architecture")
+        if getattr(config, "alibi", False):
+            raise UnsupportedShift("ALiBi positions (no rotary embedding)")
+        is_neox = PAIRING[model_type]
         config.standardize_rope_params()
         params = dict(config.rope_parameters)
         rope_type = params.get("rope_type", "default")
@@ -69,6 +99,23 @@ class RopeParams:
             inv_freq, _attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
             return cls(inv_freq.float(), head_dim, is_neox)
         raise UnsupportedShift(f"rope_type {rope_type!r} depends on the sequence length")
+
+    @classmethod
+    def _gptj(cls, config) -> RopeParams:
+        """GPT-J and CodeGen: interleaved pairs over the first ``rotary_dim`` dims, theta 10000 (their
+        configs carry no rope parameters; transformers' ``create_sinusoidal_positions``, vLLM's gpt_j)."""
+        return cls.default(config.n_embd // config.n_head, 10000.0, config.rotary_dim, is_neox=False)
+
+    @classmethod
+    def _chatglm(cls, config) -> RopeParams:
+        """ChatGLM / GLM-4 remote-code configs, as vLLM's chatglm builds them: rotary on half the head,
+        theta ``10000 * rope_ratio``, interleaved pairs unless ``original_rope`` is false."""
+        original_rope = getattr(config, "original_rope", None)
+        if original_rope is None:
+            raise UnsupportedShift("chatglm config without original_rope: rotary pairing not known")
+        head_dim = config.hidden_size // config.num_attention_heads
+        return cls.default(head_dim, 10000.0 * getattr(config, "rope_ratio", 1.0), head_dim // 2,
+                           is_neox=not original_rope)
 
     def cos_sin(self, deltas: torch.Tensor, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``[len(deltas), rotary_dim // 2]`` cos and sin of ``delta * inv_freq``."""

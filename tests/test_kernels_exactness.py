@@ -54,10 +54,17 @@ def test_shifted_kv_equals_recomputed_kv_at_layer0(model, backend, layout):
     replacement = PagedKV.from_rows(k_new[rep_pos], v_new[rep_pos])
     plan = evict_spans(kv, src_bt, len(ids), spans, dst_bt, rope, replacement=[replacement], backend=backend)
     assert plan.dst_len == len(edited)
+    # The whole cache: source blocks keep the old K/V, destination blocks hold the recomputed K/V of
+    # the edited sequence, every other slot stays zero.
+    want = PagedKV(torch.zeros_like(kv.key), torch.zeros_like(kv.value))
+    want.key[src_bt[pos // bs], pos % bs] = k_src
+    want.value[src_bt[pos // bs], pos % bs] = v_src
     q = torch.arange(len(edited))
-    torch.testing.assert_close(kv.value[dst_bt[q // bs], q % bs], v_new, atol=0, rtol=0)
+    want.key[dst_bt[q // bs], q % bs] = k_new
+    want.value[dst_bt[q // bs], q % bs] = v_new
+    torch.testing.assert_close(kv.value, want.value, atol=0, rtol=0)
     # fp32: the model itself rounds each absolute angle p*inv_freq to float32.
-    torch.testing.assert_close(kv.key[dst_bt[q // bs], q % bs], k_new, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(kv.key, want.key, atol=2e-5, rtol=1e-4)
 
 
 ROPE_CONFIGS = [
