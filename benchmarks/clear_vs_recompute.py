@@ -144,16 +144,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     contexts = [1024, 2048] if args.quick else args.contexts
     serve_args: tuple[str, ...] = ()
-    if args.url is None:
-        from pathlib import Path
-
-        from ..server.embedded_model import TinyModelSpec, build_model
-        from ..server.supervisor import embedded_model_dir
-
-        spec = TinyModelSpec(layers=args.layers)
-        model_dir = build_model(embedded_model_dir(spec), spec)
-        serve_args = ("--model", str(Path(model_dir)), "--served-model-name", "agentkv-tiny",
-                      "--kv-reuse", "shift")
+    if args.url is None:   # the embedded model agentkv-tiny-<N>l is built on first use
+        serve_args = ("--model", f"agentkv-tiny-{args.layers}l", "--served-model-name", "agentkv-tiny",
+                      "--kv-reuse", "shift", "--max-model-len", str(max(contexts) + 2048))
     with Endpoint(args.url, args.api_key, serve_args) as ep:
         rows = run(ep, contexts, 4 if args.quick else args.max_tokens)
     m = machine()

@@ -28,7 +28,6 @@ class Prepared:
     report: dict[str, Any]
     edits: list  # PromptEdit of clearing in this request, against the pre-clearing view prompt
     old_ids: list[int]      # the pre-clearing view prompt (when clearing edited it)
-    prompt_ids: list[int]   # the final view prompt (when asked for)
 
 
 class ContextManager:
@@ -36,7 +35,7 @@ class ContextManager:
         self.sessions, self.renderer, self.summarizer = sessions, renderer, summarizer
 
     def prepare(self, owner: str, ref: SessionRef, messages: list[Message], tools: list | None,
-                policy: ContextManagement | None, want_ids: bool = False, window: int | None = None) -> Prepared:
+                policy: ContextManagement | None, window: int | None = None) -> Prepared:
         synced = self.sessions.sync(owner, ref, messages)
         key, session_id, state = synced.key, synced.id, synced.state
         view, where = state.view(messages)
@@ -83,13 +82,11 @@ class ContextManager:
                   "prompt_tokens_before": before, "prompt_tokens_after": after}
         if failed:
             report["failed_edits"] = failed
-        ids = self.renderer.render(view, tools).token_ids if want_ids else []
-        return Prepared(key, session_id, view, report, kv_edits, old_ids, ids)
+        return Prepared(key, session_id, view, report, kv_edits, old_ids)
 
 
 async def manage(ctx: ContextManager, cfg, window: int, owner: str, ref: SessionRef,
-                 conversation: list[Message], tools: list | None, requested: ContextManagement | None,
-                 want_ids: bool = False) -> Prepared:
+                 conversation: list[Message], tools: list | None, requested: ContextManagement | None) -> Prepared:
     """The request path's compaction step for any API: the session, the policy (the request's, else
     the server default when enabled), then ``prepare`` off the event loop."""
     import asyncio
@@ -97,4 +94,4 @@ async def manage(ctx: ContextManager, cfg, window: int, owner: str, ref: Session
     policy = requested
     if policy is None and cfg.context_management:
         policy = default_policy(window, cfg.clear_at, cfg.compact_at)
-    return await asyncio.to_thread(ctx.prepare, owner, ref, conversation, tools, policy, want_ids, window or None)
+    return await asyncio.to_thread(ctx.prepare, owner, ref, conversation, tools, policy, window or None)

@@ -8,7 +8,6 @@ from fastapi.responses import JSONResponse, Response
 
 from . import chat, kv_reuse, server_tools
 from .deps import ContextDep, EngineDep, OwnerDep
-from .errors import APIError
 from .proxy import relay_stream, unavailable
 from .schemas import ChatCompletionRequest, CompletionRequest, forward_body
 from .context import manage
@@ -24,14 +23,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, engine:
     body = forward_body(req, cfg.model_name)
     prepared = await manage(ctx, cfg, request.app.state.supervisor.max_model_len, owner,
                             session_ref(request.headers, {"session_id": req.session_id, **body}), body["messages"],
-                            body.get("tools"), req.context_management, cfg.kv_connector)
+                            body.get("tools"), req.context_management)
     key, sid = prepared.key, prepared.session_id
     body["messages"] = prepared.messages
-    if cfg.kv_connector:
-        await kv_reuse.attach(request.app.state, engine, body, key, prepared, req.kv_reuse or cfg.kv_reuse)
-    elif req.kv_reuse not in (None, "recompute"):
-        raise APIError(400, "this server recomputes after clearing; start it with --kv-reuse shift or blend "
-                            "to load the KV connector", param="kv_reuse")
+    await kv_reuse.attach(cfg, engine, body, key, prepared, req.kv_reuse)
     runner = None
     if req.server_tools if req.server_tools is not None else cfg.server_tools:
         body["tools"] = server_tools.with_server_tools(body.get("tools"))
