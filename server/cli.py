@@ -91,7 +91,8 @@ def cmd_model_build(ns: argparse.Namespace) -> int:
 
     if not ns.out:
         secure_home()
-    print(build(ns.name, Path(ns.out) if ns.out else None, ns.force, Path(ns.gguf) if ns.gguf else None))
+    print(build(ns.name, Path(ns.out) if ns.out else None, ns.force, Path(ns.gguf) if ns.gguf else None,
+                install=True))
     return 0
 
 
