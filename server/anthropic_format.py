@@ -34,6 +34,18 @@ BILLING_HEADER = "x-anthropic-billing-header"
 USER_BLOCKS = {"text", "image", "document", "search_result", "tool_result"}
 ASSISTANT_BLOCKS = {"text", "thinking", "redacted_thinking", "tool_use", "compaction"}
 RESULT_BLOCKS = {"text", "image", "document", "search_result"}
+# the fields of a block this module reads: (types, required); others are kept as they are
+FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "text": {"text": ((str,), True)},
+    "thinking": {"thinking": ((str,), True)},
+    "redacted_thinking": {"data": ((str,), True)},
+    "tool_use": {"id": ((str,), True), "name": ((str,), True), "input": ((dict,), False)},
+    "tool_result": {"tool_use_id": ((str,), True), "content": ((str, list), False)},
+    "image": {"source": ((dict,), True)},
+    "document": {"source": ((dict,), True), "title": ((str,), False), "context": ((str,), False)},
+    "search_result": {"content": ((list,), True), "title": ((str,), False), "source": ((str,), False)},
+    "compaction": {"content": ((str, type(None)), False)},
+}
 # request fields this module maps (or knowingly ignores), never passed on to vLLM; any other field
 # passes through (vLLM's own sampling extensions: seed, repetition_penalty, structured_outputs, ...)
 MAPPED = {"model", "messages", "system", "max_tokens", "stream", "tools", "tool_choice", "stop_sequences",
@@ -58,10 +70,10 @@ def _system_content(content: Any, where: str) -> str | list[dict] | None:
         return _without_billing(content) or None
     blocks = []
     for j, b in enumerate(content or []):
-        if b.get("type") != "text":
-            raise APIError(400, f"{where}.{j}: system content takes text blocks, not {b.get('type')!r}",
-                           param=f"{where}.{j}")
-        text = _without_billing(b.get("text") or "")
+        if b.get("type") != "text" or not isinstance(b.get("text"), str):
+            raise APIError(400, f"{where}.{j}: system content takes text blocks ({{'type': 'text', 'text': "
+                                f"<string>}}), not {b!r:.100}", param=f"{where}.{j}")
+        text = _without_billing(b["text"])
         if text:
             blocks.append(_whole({**b, "text": text}))
     return blocks or None
@@ -80,12 +92,17 @@ class _Checker:
         if kind not in allowed:
             raise APIError(400, f"{where}: content block type {kind!r} is not supported here "
                                 f"(supported: {sorted(allowed)})", param=where)
-        need = {"text": ("text",), "thinking": ("thinking",), "redacted_thinking": ("data",),
-                "tool_use": ("id", "name"), "tool_result": ("tool_use_id",), "image": ("source",),
-                "document": ("source",), "search_result": ("content",)}.get(kind, ())
-        for key in need:
-            if b.get(key) is None:
-                raise APIError(400, f"{where}.{key}: a {kind} block needs '{key}'", param=f"{where}.{key}")
+        for key, (types, required) in FIELDS.get(kind, {}).items():
+            value = b.get(key)
+            if value is None and not required:
+                continue
+            if not isinstance(value, types):
+                names = " or ".join("null" if t is type(None) else {str: "a string", dict: "an object",
+                                                                     list: "a list"}[t] for t in types)
+                raise APIError(400, f"{where}.{key}: a {kind} block's '{key}' must be {names}", param=f"{where}.{key}")
+        if kind == "search_result":
+            for k, item in enumerate(b["content"]):
+                self.block(item, {"text"}, f"{where}.content.{k}")
         if kind == "image" and not self.takes_images:
             raise APIError(400, f"{where}: the served model takes text only; an image block has no faithful "
                                 "text form", param=where)
@@ -112,7 +129,8 @@ def _document_text(b: dict) -> str | None:
         inner = source.get("content")
         if isinstance(inner, str):
             text = inner
-        elif isinstance(inner, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in inner):
+        elif isinstance(inner, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in inner):
             text = "\n".join(p.get("text") or "" for p in inner)
         else:
             return None

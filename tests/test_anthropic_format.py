@@ -9,48 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from anthropic_log import rebuild, strip_cache
+
 from agentkv.server.anthropic_format import chat_request, conversation, engine_message
 from agentkv.server.anthropic_stream import EventStream, message
 from agentkv.server.errors import APIError
 
 WORDS = st.text(alphabet="abc xyz\n", min_size=1, max_size=12)
 CACHE = st.sampled_from([{}, {"cache_control": {"type": "ephemeral"}}])
-
-
-def rebuild(conv: list[dict]) -> tuple[list | str | None, list[dict]]:
-    """The Anthropic request back from a logged conversation: proof that the log lost nothing."""
-    system, turns = None, []
-    msgs = list(conv)
-    if msgs and msgs[0]["role"] == "system":  # requests here start with a user turn: this is `system`
-        system = msgs.pop(0)["content"]
-    for m in msgs:
-        role = {"tool": "user"}.get(m["role"], m["role"])
-        if m["role"] == "system":
-            turns.append({"role": "system", "content": m["content"]})
-            continue
-        if m["role"] == "tool":
-            extra = {k: v for k, v in m.items() if k not in ("role", "tool_call_id", "content")}
-            blocks = [{"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"], **extra}]
-        elif isinstance(m["content"], str):
-            turns.append({"role": role, "content": m["content"]})
-            continue
-        else:
-            blocks = list(m["content"] or []) + [
-                {"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
-                 "input": json.loads(c["function"]["arguments"])} for c in m.get("tool_calls") or []]
-        if turns and turns[-1]["role"] == role and isinstance(turns[-1]["content"], list):
-            turns[-1]["content"] += blocks
-        else:
-            turns.append({"role": role, "content": blocks})
-    return system, turns
-
-
-def strip_cache(x):
-    if isinstance(x, dict):
-        return {k: strip_cache(v) for k, v in x.items() if k != "cache_control"}
-    if isinstance(x, list):
-        return [strip_cache(v) for v in x]
-    return x
 
 
 def tool_uses_last(turn: dict) -> dict:
@@ -267,3 +233,19 @@ def test_an_empty_answer_is_one_empty_text_block_both_ways():
     payload = {"model": "m", "choices": [{"finish_reason": "length", "message": {"content": ""}}]}
     assert _replay(events)["content"] == message(payload, None, {})["content"] == [{"type": "text", "text": ""}]
     assert _replay(events)["stop_reason"] == "max_tokens"
+
+
+@pytest.mark.parametrize("block, where", [
+    ({"type": "text", "text": 5}, "messages.0.content.0.text"),
+    ({"type": "tool_result", "tool_use_id": "t", "content": 7}, "messages.0.content.0.content"),
+    ({"type": "document", "source": "a.txt"}, "messages.0.content.0.source"),
+    ({"type": "search_result", "content": [{"type": "text", "text": None}]}, "messages.0.content.0.content.0.text"),
+    ("just a string", "messages.0.content.0"),
+])
+def test_malformed_blocks_are_a_400_naming_the_field(block, where):
+    with pytest.raises(APIError) as err:
+        conversation(None, [{"role": "user", "content": [block]}])
+    assert err.value.status == 400 and err.value.param == where
+    with pytest.raises(APIError) as err:
+        conversation([{"type": "text", "text": 1}], [{"role": "user", "content": "x"}])
+    assert err.value.param == "system.0"
