@@ -19,7 +19,7 @@ def claude(server, home: Path, work: Path, *args: str) -> dict:
     """One `claude -p` run; returns its final `result` event."""
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "ANTHROPIC_BASE_URL": server.base_url,
            "ANTHROPIC_API_KEY": API_KEY, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-           "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "16"}
+           "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256"}
     run = subprocess.run(["timeout", "600", str(CLAUDE), *args, "--model", "agentkv-tiny", "--max-turns", "1",
                           "--output-format", "stream-json", "--verbose"],
                          cwd=work, env=env, capture_output=True, text=True, timeout=660)

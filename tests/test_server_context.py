@@ -132,7 +132,7 @@ def test_two_api_keys_cannot_see_each_others_sessions(server):
     ({"edits": [{"trigger": 5}]}, "context_management.edits.0.type"),
     ({"edits": [{"type": "compact_20260112", "trigger": 1000}]}, "context_management.edits.0.compact_20260112"),
     ({"edits": [{"type": "compact"}, {"type": "clear_thinking_20251015"}]}, "context_management.edits"),
-    ({"edits": [{"type": "clear_tool_uses", "trigger": -5}]}, "context_management.edits.0.clear_tool_uses.trigger"),
+    ({"edits": [{"type": "clear_tool_uses", "trigger": -5}]}, "context_management.edits.0.clear_tool_uses.trigger.value"),
     ({"edits": [{"type": "compact", "keep_recent_tokens": -1}]}, "context_management.edits.0.compact.keep_recent_tokens"),
     ({"edits": [{"type": "clear_tool_uses", "bogus": 1}]}, "context_management.edits.0.clear_tool_uses.bogus"),
     ({"edits": "all"}, "context_management.edits"),
