@@ -165,8 +165,7 @@ async def messages(req: MessagesRequest, request: Request, engine: EngineDep, ow
 
 
 @router.post("/messages/count_tokens")
-async def count_tokens(req: _Conversation, request: Request, _engine: EngineDep, _owner: OwnerDep,
-                       ctx: ContextDep) -> dict:
+async def count_tokens(req: _Conversation, request: Request, _owner: OwnerDep, ctx: ContextDep) -> dict:
     """The prompt's tokens as the engine would get them (chat template and tools included), the
     request's clearing edits applied; nothing is logged. With ``context_management``, also
     ``original_input_tokens`` (before the edits), as Anthropic answers."""
