@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .config import ClearToolUses, Compact
+from .config import ClearThinking, ClearToolUses, Compact
 
-Edit = Annotated[ClearToolUses | Compact, Field(discriminator="type")]
+Edit = Annotated[ClearToolUses | ClearThinking | Compact, Field(discriminator="type")]
 
 
 class ContextManagement(BaseModel):
@@ -23,6 +23,13 @@ class ContextManagement(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     edits: list[Edit] = Field(default_factory=list, max_length=8)
+
+    @field_validator("edits")
+    @classmethod
+    def _thinking_first(cls, edits: list) -> list:
+        if any(isinstance(e, ClearThinking) for e in edits[1:]):
+            raise ValueError("clear_thinking must be the first edit")
+        return edits
 
 
 def default_policy(window: int, clear_at: float = 0.5, compact_at: float = 0.75) -> ContextManagement:

@@ -115,7 +115,7 @@ async def attach(state, engine, body: dict, session: str, prepared, mode: Mode) 
         KV_PLANNED.labels(mode).inc(plan.planned_tokens if plan.load else 0)
         KV_PRIMED.inc(len(plan.prime_ids or []))
         for edit in prepared.report["applied_edits"]:
-            if edit["type"] == "clear_tool_uses":
+            if edit["type"].startswith("clear_tool_uses"):  # agentkv's name or Anthropic's
                 edit["kv"] = {"mode": mode, "planned_reuse_tokens": plan.planned_tokens if plan.load else 0,
                               "primed_tokens": len(plan.prime_ids or [])}
     body["kv_transfer_params"] = {"agentkv": params}

@@ -133,3 +133,18 @@ def test_no_summary_when_even_the_bare_request_cannot_fit(renderer):
     cfg = Compact(trigger=0, keep_recent_tokens=200, summary_max_tokens=128)
     r = summarize(session(), renderer, cfg, client, TOOLS, window=150)
     assert client.prompts == [] and r.summarized_messages == 0
+
+
+def test_anthropic_compact_summarizes_everything_before_the_point_of_compaction(renderer):
+    cfg = Compact.model_validate({"type": "compact_20260112", "trigger": {"type": "input_tokens", "value": 50_000},
+                                  "instructions": "Only list ports."})
+    assert (cfg.keep_recent_tokens, cfg.pause_after_compaction, cfg.trigger) == (0, False, 50_000)
+    assert Compact.model_validate({"type": "compact_20260112"}).trigger == 150_000     # Anthropic's default
+    with pytest.raises(ValueError, match="at least 50000"):
+        Compact.model_validate({"type": "compact_20260112", "trigger": 49_999})
+    client = RecordingClient("ports: none")
+    low = cfg.model_copy(update={"trigger": 0})
+    r = summarize(session(), renderer, low, client, TOOLS)
+    assert [m["role"] for m in r.messages] == ["system", "user"] and is_summary(r.messages[1])
+    assert r.summarized_messages == len(session()) - 1
+    assert client.prompts[0][0]["content"] == "Only list ports."

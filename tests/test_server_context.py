@@ -57,6 +57,18 @@ def test_clearing_fires_at_trigger_and_the_engine_sees_the_cleared_prompt(server
     assert cm2["applied_edits"] == [] and r2.json()["usage"]["prompt_tokens"] == cm2["prompt_tokens_before"]
 
 
+def test_the_chat_route_takes_anthropics_names(server):
+    sid = f"o-{uuid.uuid4().hex[:8]}"
+    cm = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"},
+                    {"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 4},
+                     "keep": {"type": "tool_uses", "value": 1}, "clear_tool_inputs": ["bash"]}]}
+    r = chat(server, diag_conversation(), sid, context_management=cm)
+    assert r.status_code == 200, r.text
+    (edit,) = r.json()["context_management"]["applied_edits"]
+    assert edit["type"] == "clear_tool_uses_20250919" and edit["cleared_tool_uses"] == 3
+    assert {e["kind"] for e in edit["edits"]} == {"clear_tool_result", "clear_tool_input"}
+
+
 def test_view_is_stable_next_turn_hits_the_prefix_cache_and_log_keeps_originals(server):
     sid = f"s-{uuid.uuid4().hex[:8]}"
     msgs = diag_conversation()
@@ -116,8 +128,11 @@ def test_two_api_keys_cannot_see_each_others_sessions(server):
 
 
 @pytest.mark.parametrize("cm, param", [
-    ({"edits": [{"type": "delete_everything"}]}, "context_management.edits.0"),
-    ({"edits": [{"type": "clear_tool_uses", "trigger": -5}]}, "context_management.edits.0.clear_tool_uses.trigger"),
+    ({"edits": [{"type": "delete_everything"}]}, "context_management.edits.0.type"),
+    ({"edits": [{"trigger": 5}]}, "context_management.edits.0.type"),
+    ({"edits": [{"type": "compact_20260112", "trigger": 1000}]}, "context_management.edits.0.compact_20260112"),
+    ({"edits": [{"type": "compact"}, {"type": "clear_thinking_20251015"}]}, "context_management.edits"),
+    ({"edits": [{"type": "clear_tool_uses", "trigger": -5}]}, "context_management.edits.0.clear_tool_uses.trigger.value"),
     ({"edits": [{"type": "compact", "keep_recent_tokens": -1}]}, "context_management.edits.0.compact.keep_recent_tokens"),
     ({"edits": [{"type": "clear_tool_uses", "bogus": 1}]}, "context_management.edits.0.clear_tool_uses.bogus"),
     ({"edits": "all"}, "context_management.edits"),
