@@ -16,7 +16,7 @@ from typing import Any
 
 from ..compaction.clearing import clear_tool_uses
 from ..compaction.config import ClearThinking, ClearToolUses, Compact
-from ..compaction.policy import ContextManagement, default_policy
+from ..compaction.policy import ContextManagement, default_policy, with_defaults
 from ..compaction.prompt import Message, PromptRenderer
 from ..compaction.summarize import ModelClient, summarize
 from ..compaction.thinking import clear_thinking
@@ -170,10 +170,10 @@ class ContextManager:
 async def manage(ctx: ContextManager, cfg, window: int, owner: str, ref: SessionRef,
                  conversation: list[Message], tools: list | None, requested: ContextManagement | None,
                  want_ids: bool = False, engine_form: EngineForm | None = None) -> Prepared:
-    """The request path's compaction step for any API: the session, the policy (the request's, else
-    the server default when enabled), then ``prepare`` off the event loop."""
-    policy = requested
-    if policy is None and cfg.context_management:
-        policy = default_policy(window, cfg.clear_at, cfg.compact_at)
+    """The request path's compaction step for any API: the session, the policy (the request's edits
+    with the server default's for the kinds it does not name, see ``with_defaults``), then
+    ``prepare`` off the event loop."""
+    default = default_policy(window, cfg.clear_at, cfg.compact_at) if cfg.context_management else None
+    policy = with_defaults(requested, default)
     return await asyncio.to_thread(ctx.prepare, owner, ref, conversation, tools, policy, want_ids, window or None,
                                    engine_form)

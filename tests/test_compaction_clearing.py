@@ -127,3 +127,23 @@ def test_clear_tool_inputs_of_named_tools_only(renderer):
 def test_count_equals_full_tokenization(renderer):
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hello world " * 30}]
     assert renderer.count(msgs, TOOLS) == len(renderer.render(msgs, TOOLS).token_ids)
+
+
+def test_a_request_policy_keeps_the_default_edits_of_kinds_it_does_not_name():
+    from agentkv.compaction.config import ClearThinking, Compact
+    from agentkv.compaction.policy import ContextManagement, default_policy, with_defaults
+
+    default = default_policy(8192)
+    assert with_defaults(None, default) == default
+    off = ContextManagement(edits=[])
+    assert with_defaults(off, default) == off                           # {"edits": []}: no management
+    claude = ContextManagement.model_validate({"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]})
+    merged = with_defaults(claude, default)
+    assert [type(e) for e in merged.edits] == [ClearThinking, ClearToolUses, Compact]
+    assert merged.edits[1:] == default.edits
+    own = ContextManagement.model_validate({"edits": [{"type": "compact", "trigger": 100},
+                                                      {"type": "clear_thinking"}][::-1]})
+    merged = with_defaults(own, default)
+    assert [type(e) for e in merged.edits] == [ClearThinking, ClearToolUses, Compact]
+    assert merged.edits[2].trigger == 100 and merged.edits[1] == default.edits[0]   # the request's compact
+    assert with_defaults(claude, None) == claude                        # --no-context-management
