@@ -21,7 +21,11 @@ def test_quick_benchmark_writes_results(server, tmp_path, name):
         cleared = [r for r in result["session"] if r["policy"] == "clearing"]
         assert cleared[-1]["prompt_tokens"] < none[-1]["prompt_tokens"]
     elif name == "decode-throughput":
-        assert all(r["aggregate_tok_s"] > 0 and r["ttft_s_mean"] > 0 for r in result["rows"])
+        assert [(r["context"], r["batch"]) for r in result["rows"]] == [(256, 1), (256, 2), (1024, 1), (1024, 2)]
+        for r in result["rows"]:  # every request decoded all its tokens (ignore_eos), after its first one
+            assert r["tokens_per_request"] == 8
+            assert r["aggregate_tok_s"] == pytest.approx(r["batch"] * 8 / r["wall_s"])
+            assert 0 < r["ttft_s_mean"] < r["wall_s"]
     elif name == "delayed-recall":
         assert sum(r["answers"] for r in result["rows"]) == 4 * 12
         assert all(r["correct"] + r["invented"] + r["not_sure"] == r["answers"] for r in result["rows"])

@@ -38,11 +38,11 @@ def conversation() -> list[dict]:
     return msgs
 
 
-def ask(server, msgs, sid, cm, mode):
+def ask(server, msgs, sid, cm, mode, **extra):
     # each run gets its own cache salt: the reference must not hit blocks the shifted run cached
     r = server.http().post("/v1/chat/completions", headers={"X-Session-Id": sid}, json={
         "model": "agentkv-tiny", "messages": msgs, "max_tokens": 1, "temperature": 0, "logprobs": True,
-        "top_logprobs": 5, "context_management": cm, "kv_reuse": mode, "cache_salt": sid})
+        "top_logprobs": 5, "context_management": cm, "kv_reuse": mode, "cache_salt": sid, **extra})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -75,6 +75,33 @@ def test_shift_equals_recompute_at_layer0_and_reuses(shift_server):
     assert 'agentkv_kv_planned_reuse_tokens_total{mode="shift"}' in metrics
     hits = [line for line in metrics.splitlines() if line.startswith("vllm:external_prefix_cache_hits_total")]
     assert hits and float(hits[0].split()[-1]) > 0          # tokens the connector supplied
+
+
+def external_hits(server) -> float:
+    """Tokens the connector supplied so far (vLLM's counter)."""
+    text = server.http().get("/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("vllm:external_prefix_cache_hits_total"))
+
+
+def test_with_server_tools_the_context_step_sees_the_engines_prompt(shift_server):
+    """Server tools are added before the context step: it counts the prompt the engine gets and
+    hashes the same token ids, so the connector's load checks out instead of falling back."""
+    msgs = conversation()
+    later = msgs + [{"role": "user", "content": "which service is slow?"}]
+    sid = f"t-{uuid.uuid4().hex[:8]}"
+    first = ask(shift_server, msgs, sid, NONE, "shift", server_tools=True)
+    assert first["context_management"]["prompt_tokens_before"] == first["usage"]["prompt_tokens"]
+    hits = external_hits(shift_server)
+    shifted = ask(shift_server, later, sid, CLEAR, "shift", server_tools=True)
+    cm = shifted["context_management"]
+    (edit,) = cm["applied_edits"]
+    assert cm["prompt_tokens_after"] == shifted["usage"]["prompt_tokens"]
+    assert cm["prompt_tokens_before"] - cm["prompt_tokens_after"] == edit["cleared_input_tokens"]
+    planned = edit["kv"]["planned_reuse_tokens"]
+    assert planned > 500
+    supplied = external_hits(shift_server) - hits
+    assert supplied >= planned, (supplied, planned)                     # the load was not refused
 
 
 def test_recompute_only_server_refuses_shift_requests(server):
