@@ -98,10 +98,11 @@ class CompactRequest(_Input):
     model: str
 
 
-# Responses fields that are read here and never sent on as chat fields (extras are: vLLM's own
-# sampling fields such as top_k or structured_outputs pass through to the engine).
+# Responses fields accepted and echoed in the response, never sent to the engine; other unknown
+# fields pass through to it (vLLM's own sampling fields: top_k, seed, structured_outputs, ...).
 ECHOED = ("user", "safety_identifier", "service_tier", "prompt_cache_retention", "client_metadata",
-          "max_tool_calls", "stream_options")
+          "max_tool_calls")
+NOT_SENT = (*ECHOED, "stream_options")
 
 
 def _seal(state) -> CompactionSeal:
@@ -214,7 +215,7 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
 
 
 def _chat_body(req: ResponsesRequest, model: str, messages: list[Message], tools: ChatTools) -> dict:
-    extra = {k: v for k, v in (req.model_extra or {}).items() if k not in ECHOED}
+    extra = {k: v for k, v in (req.model_extra or {}).items() if k not in NOT_SENT}
     body: dict[str, Any] = {**extra, "model": model, "messages": messages}
     if tools.tools:
         body["tools"] = tools.tools
