@@ -159,6 +159,12 @@ def _policy(req: ResponsesRequest, window: int, compact_at: float) -> tuple[Cont
                                             summary_max_tokens=max(16, min(1024, window // 8)))]), True
 
 
+def _check_model(model: str, served: str) -> None:
+    """Compaction runs without the engine seeing the request's model: check it as the engine would."""
+    if model != served:
+        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
 def _fired(prepared: Prepared) -> dict | None:
     return next((e for e in prepared.report["applied_edits"] if e["type"] == "compact"), None)
 
@@ -214,9 +220,10 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
             raise APIError(400, f"{name} is not supported by this server", param=name)
 
 
-def _chat_body(req: ResponsesRequest, model: str, messages: list[Message], tools: ChatTools) -> dict:
+def _chat_body(req: ResponsesRequest, model: str, tools: ChatTools) -> dict:
+    """The chat request for the engine, less its messages."""
     extra = {k: v for k, v in (req.model_extra or {}).items() if k not in NOT_SENT}
-    body: dict[str, Any] = {**extra, "model": model, "messages": messages}
+    body: dict[str, Any] = {**extra, "model": model}
     if tools.tools:
         body["tools"] = tools.tools
     choice = to_chat_tool_choice(req.tool_choice, tools)
@@ -264,9 +271,17 @@ async def create_response(req: ResponsesRequest, request: Request, engine: Engin
     require_utf8(req.model_dump(exclude_unset=True))
     _refuse_unsupported(req)
     model = req.model or cfg.model_name
-    ref, prior, converted, conversation = await _conversation(request, owner, req)
     tools = to_chat_tools(req.tools)
+    body = _chat_body(req, model, tools)              # every field is checked before anything is logged
+    with_server_tools = req.server_tools if req.server_tools is not None else cfg.server_tools
+    if with_server_tools:
+        body["tools"] = server_tools.with_server_tools(body.get("tools"))
+    if not cfg.kv_connector and req.kv_reuse not in (None, "recompute"):
+        raise APIError(400, "this server recomputes after clearing; start it with --kv-reuse shift or blend "
+                            "to load the KV connector", param="kv_reuse")
+    ref, prior, converted, conversation = await _conversation(request, owner, req)
     if converted.trigger:
+        _check_model(model, cfg.model_name)
         prepared, item, usage = await _compact(request, ctx, owner, ref, conversation, tools.tools)
         response = _response(req, model)
         response["context_management"] = prepared.report
@@ -280,16 +295,10 @@ async def create_response(req: ResponsesRequest, request: Request, engine: Engin
     key, sid = prepared.key, prepared.session_id
     turn = _Turn(request, req, key, prior, converted)
     compaction = _seal(state).item(owner, _after_header(prepared.messages)) if owed and _fired(prepared) else None
-    body = _chat_body(req, model, prepared.messages, tools)
+    body["messages"] = prepared.messages
     if cfg.kv_connector:
         await kv_reuse.attach(state, engine, body, key, prepared, req.kv_reuse or cfg.kv_reuse)
-    elif req.kv_reuse not in (None, "recompute"):
-        raise APIError(400, "this server recomputes after clearing; start it with --kv-reuse shift or blend "
-                            "to load the KV connector", param="kv_reuse")
-    runner = None
-    if req.server_tools if req.server_tools is not None else cfg.server_tools:
-        body["tools"] = server_tools.with_server_tools(body.get("tools"))
-        runner = chat.ToolRunner(ctx.sessions.log, key, cfg.max_server_tool_rounds)
+    runner = chat.ToolRunner(ctx.sessions.log, key, cfg.max_server_tool_rounds) if with_server_tools else None
     response = _response(req, model)
     response["tools_not_offered"] = tools.not_offered
     head = [compaction] if compaction else []
@@ -387,6 +396,7 @@ async def compact_response(req: CompactRequest, request: Request, _: EngineDep, 
     item], usage}``. The user's messages are there as OpenAI returns them; sent back before the item,
     they are dropped like every item before it (the summary already copies them)."""
     require_utf8(req.model_dump(exclude_unset=True))
+    _check_model(req.model, request.app.state.cfg.model_name)
     ref, _prior, converted, conversation = await _conversation(request, owner, req)
     prepared, item, usage = await _compact(request, ctx, owner, ref, conversation, None)
     users = [{"id": new_id("msg"), "type": "message", "status": "completed", "role": "user",

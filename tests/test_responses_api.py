@@ -221,10 +221,17 @@ def test_tools_the_server_cannot_run_are_not_offered(wide_server):
     ({"input": []}, "input"),
 ])
 def test_bad_input_is_a_400_naming_the_field(wide_server, body, param):
-    r = wide_server.http().post("/v1/responses", json={"model": MODEL, **body})
+    session = sid()
+    r = wide_server.http().post("/v1/responses", headers={"x-session-id": session}, json={"model": MODEL, **body})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"].startswith(param) and err["message"]
+    assert wide_server.http().get(f"/v1/sessions/{session}").status_code == 404     # nothing was logged
+
+
+def test_compaction_checks_the_model_name(wide_server):
+    with pytest.raises(openai.NotFoundError):
+        wide_server.client().responses.compact(model="nope", input="hello")
 
 
 def _engine_pid(server) -> int:

@@ -208,3 +208,18 @@ def test_empty_answer_is_an_empty_message_and_length_is_incomplete():
     assert finish_response(r, b.items, "length", None) == "response.incomplete"
     assert r["incomplete_details"] == {"reason": "max_output_tokens"}
     assert finish_response(r, [], None, None, {"code": "server_error", "message": "x"}) == "response.failed"
+
+
+def test_stored_responses_rebuild_their_chain(log_target):
+    """store: true keeps each response's turn; a chain of them is the conversation (forks too)."""
+    from agentkv.compaction.session_log import open_session_log
+
+    log = open_session_log(log_target)
+    turn = lambda q, a: [{"role": "user", "content": q}, {"role": "assistant", "content": a}]  # noqa: E731
+    log.put_response("r1", "o/s", None, turn("q1", "a1"), {"id": "r1"})
+    log.put_response("r2", "o/s", "r1", turn("q2", "a2\x00"), {"id": "r2"})
+    log.put_response("r3", "o/s", "r1", turn("q3", "a3"), {"id": "r3"})
+    assert log.response_conversation("r2") == turn("q1", "a1") + turn("q2", "a2\x00")
+    assert log.response_conversation("r3") == turn("q1", "a1") + turn("q3", "a3")
+    assert log.get_response("r3") == ("o/s", {"id": "r3"})
+    assert log.get_response("nope") is None and log.response_conversation("nope") == []
