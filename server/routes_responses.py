@@ -16,6 +16,7 @@ word for word (compaction_item.py).
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -105,6 +106,19 @@ ECHOED = ("user", "safety_identifier", "service_tier", "prompt_cache_retention",
 NOT_SENT = (*ECHOED, "stream_options")
 
 
+RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
+
+
+async def _stored(request: Request, owner: str, response_id: str, param: str) -> tuple[str, dict]:
+    """(session key, response object) of the caller's stored response; 404 for any other id."""
+    found = None
+    if RESPONSE_ID.fullmatch(response_id):
+        found = await asyncio.to_thread(request.app.state.sessions.log.get_response, response_id)
+    if found is None or not found[0].startswith(f"{owner}/"):
+        raise APIError(404, f"no stored response {response_id!r}", param=param, code="response_not_found")
+    return found
+
+
 def _seal(state) -> CompactionSeal:
     if getattr(state, "compaction_seal", None) is None:
         state.compaction_seal = CompactionSeal(load_key())
@@ -123,12 +137,9 @@ async def _conversation(request: Request, owner: str, req: _Input):
     log = request.app.state.sessions.log
     prior: list[Message] = []
     if req.previous_response_id:
-        found = await asyncio.to_thread(log.get_response, req.previous_response_id)
-        if found is None or not found[0].startswith(f"{owner}/"):
-            raise APIError(404, f"no stored response {req.previous_response_id!r}", param="previous_response_id",
-                           code="previous_response_not_found")
+        key, _ = await _stored(request, owner, req.previous_response_id, "previous_response_id")
         prior = await asyncio.to_thread(log.response_conversation, req.previous_response_id)
-        ref = SessionRef(found[0].split("/", 1)[1], "previous_response_id")
+        ref = SessionRef(key.split("/", 1)[1], "previous_response_id")
     else:
         ref = session_ref(request.headers, {"session_id": req.session_id, "prompt_cache_key": req.prompt_cache_key,
                                             "metadata": req.metadata})
@@ -203,7 +214,11 @@ def _response(req: ResponsesRequest, model: str) -> dict:
 
 def _response_format(text: dict | None) -> dict | None:
     fmt = (text or {}).get("format")
-    if not fmt or fmt.get("type") == "text":
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise APIError(400, "text.format must be an object", param="text.format")
+    if fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
@@ -410,7 +425,4 @@ async def compact_response(req: CompactRequest, request: Request, _: EngineDep, 
 @router.get("/responses/{response_id}")
 async def get_response(response_id: str, request: Request, owner: OwnerDep) -> Response:
     """A stored response (``store: true``) of the caller's own."""
-    found = await asyncio.to_thread(request.app.state.sessions.log.get_response, response_id)
-    if found is None or not found[0].startswith(f"{owner}/"):
-        raise APIError(404, f"no stored response {response_id!r}", param="response_id", code="response_not_found")
-    return JSONResponse(found[1])
+    return JSONResponse((await _stored(request, owner, response_id, "response_id"))[1])
