@@ -14,9 +14,17 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from .responses_format import new_id
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .engine_stream import EngineStream, ToolRunner, completion, extra_fields, open_stream, with_usage
+from .metrics import observe_usage
+from .proxy import EngineClient, unavailable
+from .responses_format import new_id, to_usage
 
 EventFields = dict[str, Any]
 
@@ -155,3 +163,118 @@ def finish_response(response: dict, items: list[dict], finish_reason: str | None
     response["status"] = "completed"
     response["completed_at"] = int(time.time())
     return "response.completed"
+
+
+def _failure(error: dict) -> dict:
+    err = error.get("error", error)
+    return {"code": "server_error", "message": err.get("message") or "the response failed"}
+
+
+@dataclass
+class Answer:
+    """A response to answer: the Response object (``in_progress``, echoing the request), the items
+    that come before the model's (a compaction item), how namespaced tool names map back, agentkv's
+    report, the session id, and what to do with the finished response (store it)."""
+
+    response: dict
+    head: list[dict]
+    namespaces: dict[str, tuple[str, str]]
+    report: dict
+    session_id: str
+    done: Callable[[dict], Awaitable[None]]
+
+    def headers(self) -> dict[str, str]:
+        return {"X-Session-Id": self.session_id}
+
+
+async def complete(engine: EngineClient, body: dict, runner: ToolRunner | None, answer: Answer) -> Response:
+    try:
+        status, payload, annotations = await completion(engine, body, runner)
+    except httpx.TransportError as exc:
+        return unavailable(exc)
+    if status != 200:
+        return JSONResponse(payload, status_code=status)
+    observe_usage(payload.get("usage"))
+    choice = payload["choices"][0]
+    builder = OutputBuilder(answer.namespaces, first_index=len(answer.head))
+    builder.feed(whole_message_delta(choice["message"]))
+    builder.finish()
+    response = answer.response
+    finish_response(response, answer.head + builder.items, choice.get("finish_reason"), to_usage(payload.get("usage")))
+    response.update(extra_fields(answer.report, annotations))
+    await answer.done(response)
+    return JSONResponse(response, headers=answer.headers())
+
+
+def _opening(events: EventStream, response: dict) -> list[bytes]:
+    opening = {**response, "status": "in_progress", "output": [], "usage": None}
+    opening.pop("completed_at", None)
+    return [events.encode("response.created", {"response": opening}),
+            events.encode("response.in_progress", {"response": opening})]
+
+
+def _whole_item(events: EventStream, index: int, item: dict) -> list[bytes]:
+    return [events.encode("response.output_item.added", {"output_index": index, "item": item}),
+            events.encode("response.output_item.done", {"output_index": index, "item": item})]
+
+
+def _sse(chunks: AsyncIterator[bytes], session_id: str) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Session-Id": session_id})
+
+
+def replay(response: dict, session_id: str) -> StreamingResponse:
+    """A finished response (a compaction: its items are whole) as its event sequence."""
+    async def gen() -> AsyncIterator[bytes]:
+        events = EventStream()
+        for chunk in _opening(events, response):
+            yield chunk
+        for i, item in enumerate(response["output"]):
+            for chunk in _whole_item(events, i, item):
+                yield chunk
+        yield events.encode(f"response.{response['status']}", {"response": response})
+
+    return _sse(gen(), session_id)
+
+
+async def stream(engine: EngineClient, body: dict, runner: ToolRunner | None, answer: Answer) -> Response:
+    """Events as the engine's chunks arrive; a refusal before the stream starts is the engine's JSON
+    error; a stream the engine breaks off ends with ``response.failed``."""
+    body = with_usage(body)
+    first = await open_stream(engine, body)
+    if isinstance(first, Response):
+        return first
+    es = EngineStream(engine, body, runner, first)
+    builder = OutputBuilder(answer.namespaces, first_index=len(answer.head))
+    response = answer.response
+
+    async def gen() -> AsyncIterator[bytes]:
+        events = EventStream()
+        for chunk in _opening(events, response):
+            yield chunk
+        for i, item in enumerate(answer.head):
+            for chunk in _whole_item(events, i, item):
+                yield chunk
+        finish, error = None, None
+        async for chunk in es.chunks():
+            if chunk.get("error") and not chunk.get("choices"):   # the engine reported an error in-stream
+                error = error or chunk
+                continue
+            if not chunk.get("choices"):
+                continue
+            choice = chunk["choices"][0]
+            for kind, fields in builder.feed(choice.get("delta") or {}):
+                yield events.encode(kind, fields)
+            finish = choice.get("finish_reason") or finish
+        error = es.error or error
+        if error is None:
+            for kind, fields in builder.finish():
+                yield events.encode(kind, fields)
+            observe_usage(es.usage)
+        closing = finish_response(response, answer.head + builder.items, finish, to_usage(es.usage),
+                                  _failure(error) if error else None)
+        response.update(extra_fields(answer.report, es.server_tool_calls))
+        yield events.encode(closing, {"response": response})
+        await answer.done(response)
+
+    return _sse(gen(), answer.session_id)

@@ -18,12 +18,10 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-import httpx
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..compaction.config import Compact
@@ -34,13 +32,9 @@ from . import chat, kv_reuse, server_tools
 from .compaction_item import CompactionSeal, load_key
 from .context import Prepared, manage
 from .deps import ContextDep, EngineDep, OwnerDep
-from .engine_stream import EngineStream, completion, extra_fields, open_stream, with_usage
 from .errors import APIError
-from .metrics import observe_usage
-from .proxy import unavailable
-from .responses_format import (HEADER_ROLES, ChatTools, new_id, to_chat_tool_choice, to_chat_tools,
-                               to_messages, to_usage)
-from .responses_stream import EventStream, OutputBuilder, finish_response, whole_message_delta
+from .responses_format import HEADER_ROLES, ChatTools, new_id, to_chat_tool_choice, to_chat_tools, to_messages
+from .responses_stream import Answer, complete, finish_response, replay, stream
 from .schemas import require_utf8
 from .sessions import SessionRef, session_ref
 
@@ -256,13 +250,10 @@ def _chat_body(req: ResponsesRequest, model: str, tools: ChatTools) -> dict:
     return body
 
 
-def _failure(error: dict) -> dict:
-    err = error.get("error", error)
-    return {"code": "server_error", "message": err.get("message") or "the response failed"}
-
-
 class _Turn:
-    """What a finished response leaves: its record for ``store: true``."""
+    """What a finished response leaves: its record for ``store: true``. A compaction item in the
+    output does not cut the stored chain: the session's view holds the summary, so a continuation by
+    ``previous_response_id`` sees the same compacted prompt."""
 
     def __init__(self, request: Request, req: ResponsesRequest, key: str, prior: list[Message], converted):
         self.log, self.req, self.key = request.app.state.sessions.log, req, key
@@ -301,8 +292,9 @@ async def create_response(req: ResponsesRequest, request: Request, engine: Engin
         response = _response(req, model)
         response["context_management"] = prepared.report
         finish_response(response, [item], "stop", usage)
+        await _Turn(request, req, prepared.key, prior, converted).store(response)
         if req.stream:
-            return _events(response, [item], prepared.session_id)
+            return replay(response, prepared.session_id)
         return JSONResponse(response, headers={"X-Session-Id": prepared.session_id})
 
     policy, owed = _policy(req, window, cfg.compact_at)
@@ -316,92 +308,8 @@ async def create_response(req: ResponsesRequest, request: Request, engine: Engin
     runner = chat.ToolRunner(ctx.sessions.log, key, cfg.max_server_tool_rounds) if with_server_tools else None
     response = _response(req, model)
     response["tools_not_offered"] = tools.not_offered
-    head = [compaction] if compaction else []
-    builder = OutputBuilder(tools.namespaces, first_index=len(head))
-    if req.stream:
-        return await _stream(engine, with_usage(body), runner, response, head, builder, prepared, turn)
-    try:
-        status, payload, annotations = await completion(engine, body, runner)
-    except httpx.TransportError as exc:
-        return unavailable(exc)
-    if status != 200:
-        return JSONResponse(payload, status_code=status)
-    observe_usage(payload.get("usage"))
-    choice = payload["choices"][0]
-    builder.feed(whole_message_delta(choice["message"]))
-    builder.finish()
-    finish_response(response, head + builder.items, choice.get("finish_reason"), to_usage(payload.get("usage")))
-    response.update(extra_fields(prepared.report, annotations))
-    await turn.store(response)
-    return JSONResponse(response, headers={"X-Session-Id": sid})
-
-
-def _sse_start(events: EventStream, response: dict) -> list[bytes]:
-    opening = {**response, "status": "in_progress", "output": [], "usage": None}
-    opening.pop("completed_at", None)
-    return [events.encode("response.created", {"response": opening}),
-            events.encode("response.in_progress", {"response": opening})]
-
-
-def _item_events(events: EventStream, index: int, item: dict) -> list[bytes]:
-    return [events.encode("response.output_item.added", {"output_index": index, "item": item}),
-            events.encode("response.output_item.done", {"output_index": index, "item": item})]
-
-
-def _events(response: dict, items: list[dict], sid: str) -> StreamingResponse:
-    """A finished response (a compaction) as its event sequence."""
-    events = EventStream()
-    out = _sse_start(events, response)
-    for i, item in enumerate(items):
-        out += _item_events(events, i, item)
-    out.append(events.encode(f"response.{response['status']}", {"response": response}))
-
-    async def gen() -> AsyncIterator[bytes]:
-        for chunk in out:
-            yield chunk
-
-    return StreamingResponse(gen(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Session-Id": sid})
-
-
-async def _stream(engine, body: dict, runner, response: dict, head: list[dict], builder: OutputBuilder,
-                  prepared: Prepared, turn: _Turn) -> Response:
-    first = await open_stream(engine, body)
-    if isinstance(first, Response):
-        return first
-    es = EngineStream(engine, body, runner, first)
-
-    async def gen() -> AsyncIterator[bytes]:
-        events = EventStream()
-        for chunk in _sse_start(events, response):
-            yield chunk
-        for i, item in enumerate(head):
-            for chunk in _item_events(events, i, item):
-                yield chunk
-        finish, error = None, None
-        async for chunk in es.chunks():
-            if chunk.get("error") and not chunk.get("choices"):   # the engine reported an error in-stream
-                error = error or chunk
-                continue
-            if not chunk.get("choices"):
-                continue
-            choice = chunk["choices"][0]
-            for kind, fields in builder.feed(choice.get("delta") or {}):
-                yield events.encode(kind, fields)
-            finish = choice.get("finish_reason") or finish
-        error = es.error or error
-        if error is None:
-            for kind, fields in builder.finish():
-                yield events.encode(kind, fields)
-            observe_usage(es.usage)
-        closing = finish_response(response, head + builder.items, finish, to_usage(es.usage),
-                                  _failure(error) if error else None)
-        response.update(extra_fields(prepared.report, es.server_tool_calls))
-        yield events.encode(closing, {"response": response})
-        await turn.store(response)
-
-    return StreamingResponse(gen(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Session-Id": prepared.session_id})
+    answer = Answer(response, [compaction] if compaction else [], tools.namespaces, prepared.report, sid, turn.store)
+    return await (stream if req.stream else complete)(engine, body, runner, answer)
 
 
 @router.post("/responses/compact")

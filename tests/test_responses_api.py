@@ -170,6 +170,13 @@ def test_compaction_threshold_then_continue_from_the_item(wide_server):
     assert r2.model_extra["context_management"]["applied_edits"] == []
     assert r1.usage.input_tokens < r2.usage.input_tokens < r1.usage.input_tokens + 40
     assert r2.usage.input_tokens_details.cached_tokens >= r1.usage.input_tokens - 128   # the same view, continued
+    # stored instead: previous_response_id continues from the same compacted view
+    kw.update(store=True, extra_headers={"x-session-id": sid()})
+    s1 = client.responses.create(input=items, **kw)
+    s2 = client.responses.create(input="And now?", previous_response_id=s1.id, **kw)
+    assert s1.output[0].type == "compaction" and s2.model_extra["context_management"]["applied_edits"] == []
+    assert s1.usage.input_tokens < s2.usage.input_tokens < s1.usage.input_tokens + 40
+    assert s2.usage.input_tokens_details.cached_tokens >= s1.usage.input_tokens - 128
     tampered = dict(nxt[1], encrypted_content=compaction.encrypted_content[:-3] + "AAA")
     r = wide_server.http().post("/v1/responses", json={"model": MODEL, "input": [nxt[0], tampered]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input.1.encrypted_content"
