@@ -28,10 +28,11 @@ from ..compaction.config import Compact
 from ..compaction.policy import ContextManagement
 from ..compaction.prompt import Message
 from ..compaction.summarize import is_summary
-from . import chat, kv_reuse, server_tools
+from . import kv_reuse, server_tools
 from .compaction_item import CompactionSeal, load_key
 from .context import Prepared, manage
 from .deps import ContextDep, EngineDep, OwnerDep
+from .engine_stream import ToolRunner
 from .errors import APIError
 from .responses_format import HEADER_ROLES, ChatTools, new_id, to_chat_tool_choice, to_chat_tools, to_messages
 from .responses_stream import Answer, complete, finish_response, replay, stream
@@ -305,7 +306,7 @@ async def create_response(req: ResponsesRequest, request: Request, engine: Engin
     body["messages"] = prepared.messages
     if cfg.kv_connector:
         await kv_reuse.attach(state, engine, body, key, prepared, req.kv_reuse or cfg.kv_reuse)
-    runner = chat.ToolRunner(ctx.sessions.log, key, cfg.max_server_tool_rounds) if with_server_tools else None
+    runner = ToolRunner(ctx.sessions.log, key, cfg.max_server_tool_rounds) if with_server_tools else None
     response = _response(req, model)
     response["tools_not_offered"] = tools.not_offered
     answer = Answer(response, [compaction] if compaction else [], tools.namespaces, prepared.report, sid, turn.store)

@@ -209,6 +209,28 @@ def test_codex_remote_compaction_trigger(wide_server):
     assert item.type == "compaction" and item.encrypted_content == events[3].item.encrypted_content
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_server_tools_run_inside_a_response(wide_server, stream):
+    """The shared engine step: the model's recall call is run by the server and generation goes on;
+    the client sees the answer and server_tool_calls, never the call itself."""
+    items = tool_session(rounds=2, lines=10)
+    items[3]["output"] += "\nmedia timeout_ms = 1050"
+    recall = r'<tool_call>\{"name": "recall", "arguments": \{"query": "media timeout"\}\}</tool_call>'
+    r = wide_server.http().post("/v1/responses", headers={"x-session-id": sid()}, json={
+        "model": MODEL, "input": items, "tools": [BASH], "max_output_tokens": 60, "store": False, "stream": stream,
+        "server_tools": True, "structured_outputs": {"regex": recall}})
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+        assert "response.function_call_arguments.delta" not in [e["type"] for e in events]
+        r_json = events[-1]["response"]
+    else:
+        r_json = r.json()
+    (call,) = r_json["server_tool_calls"]
+    assert call["name"] == "recall" and "timeout_ms = 1050" in call["result"]
+    assert [o["type"] for o in r_json["output"]] == ["message"]
+
+
 def test_tools_the_server_cannot_run_are_not_offered(wide_server):
     r = wide_server.http().post("/v1/responses", json={
         "model": MODEL, "input": "hi", "max_output_tokens": 2, "store": False,
