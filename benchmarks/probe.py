@@ -31,7 +31,7 @@ def documents(seed: int, n: int, filler: int) -> list[dict]:
         topic = TOPICS[i % len(TOPICS)]
         headline = ("budget", f"{rng.randint(10, 99)}k EUR")
         obscure = ("backup window", f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d} UTC")
-        body = [f"{topic.title()} report. The {headline[0]} is {headline[1]}."]
+        body = [f"{topic.title()} report. The {headline[0]} for the {topic} is {headline[1]}."]
         body += [f"Paragraph {j}: the team reviewed the {topic} plan and agreed to continue." for j in range(filler)]
         body.insert(rng.randrange(2, len(body)), f"Note: the {obscure[0]} for {topic} is {obscure[1]}.")
         docs.append({"topic": topic, "text": "\n".join(body),
