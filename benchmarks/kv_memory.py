@@ -1,6 +1,8 @@
 """KV cache memory: bytes per token from a model config (GQA, MLA latent caches, sliding-window
-layers, fp8 KV) and measured from the running engine's allocation; and, for an agent session,
-the KV held at each turn with no management, with clearing, and with summarization.
+layers, fp8 KV), and for the served model measured from vLLM's own allocation (the KV tensors its
+worker allocated, read back; `kv_allocation.py`) next to the formula; and, for an agent session,
+the KV held at each turn with no management, with clearing, and with clearing + summarization
+(a series whose edit never fired is marked so).
 
 Usage: ``agentkv bench kv-memory [--quick] [--url URL --api-key KEY]``.
 """
@@ -9,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 from .harness import machine, machine_line, print_table, write_results, pyplot
@@ -53,23 +54,6 @@ def config_table(context: int) -> list[dict]:
     return rows
 
 
-def measured(http) -> dict:
-    """The engine's own numbers from vLLM's ``cache_config_info``: blocks, block size and the bytes
-    it allocated for KV, so bytes per token = allocation / (blocks * block_size)."""
-    text = http.get("/metrics").text
-    m = re.search(r"^vllm:cache_config_info\{([^}]*)\}", text, re.M)
-    if not m:
-        raise RuntimeError("vllm:cache_config_info is missing from /metrics")
-    labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-    blocks, block_size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
-    out = {"num_blocks": blocks, "block_size": block_size, "tokens_capacity": blocks * block_size,
-           "cache_dtype": labels.get("cache_dtype"), "labels": labels}
-    if labels.get("kv_cache_memory_bytes", "None") != "None":
-        out["allocated_bytes"] = int(labels["kv_cache_memory_bytes"])
-        out["bytes_per_token"] = out["allocated_bytes"] / out["tokens_capacity"]
-    return out
-
-
 def session_turns(http, model: str, window: int, bytes_per_token: float, quick: bool) -> list[dict]:
     """KV held at each turn of the delayed-recall session under three policies (prompt tokens
     the engine holds for the request, times bytes per token)."""
@@ -81,7 +65,7 @@ def session_turns(http, model: str, window: int, bytes_per_token: float, quick: 
     policies = {"none": {"edits": []}, "clearing": {"edits": [clear]},
                 "summarization": {"edits": [clear, {"type": "compact", "trigger": window * 3 // 4,
                                                     "keep_recent_tokens": window * 3 // 10}]}}
-    sc = Scenario.make(0, noise_lines=20 if quick else 90)
+    sc = Scenario.make(0, log_lines=10 if quick else 45)
     turns = [sc.opening[:2 + 2 * i] + [{"role": "user", "content": "continue"}] for i in range(1, 7)]
     history = sc.opening
     for t in sc.reading_turns[: 2 if quick else 9]:
@@ -95,11 +79,23 @@ def session_turns(http, model: str, window: int, bytes_per_token: float, quick: 
             r = http.post("/v1/chat/completions", headers={"X-Session-Id": sid}, json={
                 "model": model, "messages": msgs, "max_tokens": 1, "context_management": policy})
             r.raise_for_status()
-            held = r.json()["usage"]["prompt_tokens"]
+            body = r.json()
+            held = body["usage"]["prompt_tokens"]
             rows.append({"policy": name, "turn": i + 1, "prompt_tokens": held,
+                         "edits_fired": [e["type"] for e in body["context_management"]["applied_edits"]],
                          "gib_served_model": held * bytes_per_token / GIB,
                          "gib_if_llama_3_8b": kv_bytes(llama, held) / GIB})
     return rows
+
+
+def series_label(rows: list[dict], policy: str) -> str:
+    """The policy's name, marked when the edit it is about never fired in the session."""
+    fired = {t for r in rows if r["policy"] == policy for t in r["edits_fired"]}
+    if policy == "clearing" and not any("clear_tool_uses" in t for t in fired):
+        return "clearing (never fired)"
+    if policy == "summarization" and not any("compact" in t for t in fired):
+        return "summarization (never fired)"
+    return policy
 
 
 def plot(result: dict):
@@ -111,12 +107,14 @@ def plot(result: dict):
     a.set_xlabel(f"KiB of KV per token at {bf16[0]['context']} tokens (bf16)")
     for policy in dict.fromkeys(r["policy"] for r in result["session"]):
         rs = [r for r in result["session"] if r["policy"] == policy]
-        b.plot([r["turn"] for r in rs], [r["gib_if_llama_3_8b"] for r in rs], "o-", label=policy)
+        b.plot([r["turn"] for r in rs], [r["gib_if_llama_3_8b"] for r in rs], "o-",
+               label=series_label(result["session"], policy))
     b.set_xlabel("turn")
     b.set_ylabel("KV GiB held (Llama-3-8B shapes)")
     b.legend()
-    fig.suptitle(f"KV memory; served {result['model']}: measured "
-                 f"{result['measured'].get('bytes_per_token', float('nan')):.0f} B/token\n"
+    fig.suptitle(f"KV memory; served {result['model']}: {result['measured']['bytes_per_token']:.0f} B/token "
+                 f"measured from vLLM's allocation, {result['served_model']['formula_bytes_per_token']} by the "
+                 f"formula; session window {result['window']}\n"
                  f"{machine_line(result['machine'])}", fontsize=9)
     return fig
 
@@ -127,34 +125,39 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="agentkv bench kv-memory", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="short session (smoke test)")
     ap.add_argument("--context", type=int, default=32768, help="context for the per-token table")
-    ap.add_argument("--window", type=int, default=16384, help="simulated window for the session policies")
+    ap.add_argument("--window", type=int, help="window the session policies' triggers are fractions of "
+                                                   "(default: the served model's)")
     add_endpoint_args(ap)
     args = ap.parse_args(argv)
+    from .kv_allocation import measure
+
     with Endpoint(args.url, args.api_key) as ep, ep.http() as http:
         info = ep.model()
-        meas = measured(http)
-        served = {"measured_bytes_per_token": meas.get("bytes_per_token")}
         root = info.get("root")
-        if root and (Path(root) / "config.json").is_file():
-            served["formula_bytes_per_token"] = kv_bytes(json.loads((Path(root) / "config.json").read_text()),
-                                                         1, None if meas.get("cache_dtype") in (None, "auto")
-                                                         else meas["cache_dtype"])
-        window = 2048 if args.quick else args.window
-        session = session_turns(http, info["id"], window, meas.get("bytes_per_token") or 0.0, args.quick)
+        if not (root and (Path(root) / "config.json").is_file()):
+            raise SystemExit(f"kv-memory: the served model's folder ({root}) is not on this machine; "
+                             "its allocation can only be measured where it is")
+        config = json.loads((Path(root) / "config.json").read_text())
+        window = 2048 if args.quick else args.window or info["max_model_len"]
+        meas = measure(root)
+        served = {"measured_bytes_per_token": meas["bytes_per_token"],
+                  "formula_bytes_per_token": kv_bytes(config, 1, meas["dtype"])}
+        session = session_turns(http, info["id"], window, meas["bytes_per_token"], args.quick)
     m = machine()
-    result = {"machine": m, "model": info["id"], "measured": meas, "served_model": served,
+    result = {"machine": m, "model": info["id"], "window": window, "measured": meas, "served_model": served,
               "configs": config_table(args.context), "session": session}
     name = "kv-memory" + ("-quick" if args.quick else "")
     jpath, ppath = write_results(name, result, plot(result), args.out)
     print_table("KV cache per token", ["model", "kv dtype", "KiB/token", "GiB/token", f"GiB @ {args.context}"],
                 [[r["model"], r["kv_dtype"], r["kib_per_token"], f"{r['gib_per_token']:.3e}", r["gib_at_context"]]
                  for r in result["configs"]], machine_line(m))
-    print(f"served {info['id']}: measured {meas.get('bytes_per_token')} B/token "
-          f"({meas['num_blocks']} blocks x {meas['block_size']} tokens); formula "
-          f"{served.get('formula_bytes_per_token')} B/token")
-    print_table("KV held per turn", ["policy", "turn", "prompt tokens", "GiB (served)", "GiB (Llama-3-8B)"],
-                [[r["policy"], r["turn"], r["prompt_tokens"], f"{r['gib_served_model']:.4f}", r["gib_if_llama_3_8b"]]
-                 for r in session], machine_line(m))
+    print(f"served {info['id']}: {meas['bytes_per_token']:.1f} B/token measured from vLLM's allocation "
+          f"({meas['allocated_bytes']} bytes in {meas['buffers']} buffer(s) for {meas['num_blocks']} blocks x "
+          f"{meas['block_size']} tokens, {meas['dtype']}); formula {served['formula_bytes_per_token']} B/token")
+    print_table(f"KV held per turn (window {window})",
+                ["policy", "turn", "prompt tokens", "edits fired", "GiB (served)", "GiB (Llama-3-8B)"],
+                [[series_label(session, r["policy"]), r["turn"], r["prompt_tokens"], ",".join(r["edits_fired"]) or "-",
+                  f"{r['gib_served_model']:.4f}", r["gib_if_llama_3_8b"]] for r in session], machine_line(m))
     print(f"wrote {jpath} and {ppath}")
     return result
 

@@ -38,28 +38,29 @@ def placeholder(use: ToolUse, tokens: int, cfg: ClearToolUses) -> str:
     """With ``clear_tool_inputs`` the arguments are cleared too, and the placeholder shows them as
     cleared (``{}``): naming them would keep what was asked to go, and would make a second pass
     see a different placeholder (clearing must be idempotent)."""
-    args = "{}" if cfg.clear_tool_inputs else use.arguments
+    args = "{}" if cfg.clears_input(use.name) else use.arguments
     args = args if len(args) <= MAX_ARGS_CHARS else args[:MAX_ARGS_CHARS] + "..."
     return f"{CLEARED} " + cfg.placeholder.format(name=use.name, arguments=args, tokens=tokens)
 
 
 def clear_tool_uses(messages: list[Message], renderer: PromptRenderer, cfg: ClearToolUses,
                     tools: list | None = None) -> ClearResult:
-    """Clear every tool result older than the newest ``cfg.keep`` tool uses, once the prompt has
-    ``cfg.trigger`` tokens. System and user messages are never touched; a call and its result stay
+    """Clear every tool result older than the newest ``cfg.keep`` tool uses, once the prompt reaches
+    ``cfg.trigger`` (input tokens, or tool uses). System and user messages are never touched; a call and its result stay
     together (only contents change); a result is cleared only where the placeholder is shorter;
     nothing is cleared unless at least ``cfg.clear_at_least`` tokens are freed."""
     before = renderer.count(messages, tools)
     unchanged = ClearResult(messages, tokens_before=before, tokens_after=before)
-    if before < cfg.trigger:
+    uses = tool_uses(messages)
+    if not cfg.trigger.reached(before, len(uses)):
         return unchanged
-    answered = [u for u in tool_uses(messages) if u.result_index is not None]
+    answered = [u for u in uses if u.result_index is not None]
     protected = answered[len(answered) - cfg.keep:] if cfg.keep else []
     new = list(messages)
     kinds: dict[int, str] = {}
     cleared = 0
     for use in answered:
-        if use in protected or use.name in cfg.exclude_tools:
+        if use in protected or cfg.excluded(use.name):
             continue
         result = new[use.result_index]
         if not is_cleared(result):
@@ -69,7 +70,7 @@ def clear_tool_uses(messages: list[Message], renderer: PromptRenderer, cfg: Clea
                 new[use.result_index] = {**result, "content": text}
                 kinds[use.result_index] = "clear_tool_result"
                 cleared += 1
-        if cfg.clear_tool_inputs and use.arguments not in ("", "{}"):
+        if cfg.clears_input(use.name) and use.arguments not in ("", "{}"):
             call_msg = copy.deepcopy(new[use.call_index])
             call_msg["tool_calls"][use.call_position]["function"]["arguments"] = "{}"
             new[use.call_index] = call_msg

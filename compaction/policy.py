@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .config import ClearToolUses, Compact
+from .config import ClearThinking, ClearToolUses, Compact
 
-Edit = Annotated[ClearToolUses | Compact, Field(discriminator="type")]
+Edit = Annotated[ClearToolUses | ClearThinking | Compact, Field(discriminator="type")]
 
 
 class ContextManagement(BaseModel):
@@ -24,6 +24,13 @@ class ContextManagement(BaseModel):
 
     edits: list[Edit] = Field(default_factory=list, max_length=8)
 
+    @field_validator("edits")
+    @classmethod
+    def _thinking_first(cls, edits: list) -> list:
+        if any(isinstance(e, ClearThinking) for e in edits[1:]):
+            raise ValueError("clear_thinking must be the first edit")
+        return edits
+
 
 def default_policy(window: int, clear_at: float = 0.5, compact_at: float = 0.75) -> ContextManagement:
     return ContextManagement(edits=[
@@ -31,3 +38,17 @@ def default_policy(window: int, clear_at: float = 0.5, compact_at: float = 0.75)
         Compact(trigger=int(window * compact_at), keep_recent_tokens=int(window * 0.3),
                 user_messages_tokens=int(window * 0.05), summary_max_tokens=max(16, min(1024, window // 8))),
     ])
+
+
+def with_defaults(requested: ContextManagement | None, default: ContextManagement | None) -> ContextManagement | None:
+    """The policy a request runs. No ``context_management``: the server default. ``{"edits": []}``:
+    no management. Edits that name clearing or compaction: exactly those. Edits that name neither
+    (Claude Code sends ``clear_thinking`` alone on every request): those, then the server default's
+    clearing and compaction, so asking for one unrelated edit does not switch the default off."""
+    if requested is None:
+        return default
+    if not requested.edits or default is None:
+        return requested
+    if any(isinstance(e, (ClearToolUses, Compact)) for e in requested.edits):
+        return requested
+    return ContextManagement(edits=list(requested.edits) + list(default.edits))

@@ -26,10 +26,12 @@ def content_text(content) -> str:
 
 def as_engine_sees(messages: list[Message]) -> list[Message]:
     """Messages as vLLM hands them to the chat template: tool-call arguments parsed from JSON
-    strings into objects (invalid or non-object JSON becomes ``{}``), so our render matches the
-    engine's token for token."""
+    strings into objects (invalid or non-object JSON becomes ``{}``), an assistant's ``reasoning``
+    also given as ``reasoning_content``, so our render matches the engine's token for token."""
     out = []
     for m in messages:
+        if m.get("role") == "assistant" and m.get("reasoning") is not None:
+            m = {**m, "reasoning_content": m["reasoning"]}
         if not m.get("tool_calls"):
             out.append(m)
             continue

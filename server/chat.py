@@ -31,13 +31,26 @@ async def complete(engine: EngineClient, body: dict, report: dict | None, runner
     return JSONResponse(payload)
 
 
+def split_finish(chunk: dict) -> tuple[dict | None, dict]:
+    """A finishing chunk as (what it delivers, to send now; the bare finish, to hold). vLLM puts
+    the last token in the finishing chunk: holding it whole would hold that token too."""
+    choice = chunk["choices"][0]
+    delta = choice.get("delta") or {}
+    if not any(v for k, v in delta.items() if k != "role") and not choice.get("logprobs"):
+        return None, chunk
+    now = {**chunk, "choices": [{k: v for k, v in choice.items() if k != "stop_reason"} | {"finish_reason": None}]}
+    finish = {k: v for k, v in choice.items() if k in ("index", "finish_reason", "stop_reason")}
+    return now, {**chunk, "choices": [{**finish, "delta": {}, "logprobs": None}]}
+
+
 def _sse(obj: dict | str) -> bytes:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
 
 
 async def stream(engine: EngineClient, body: dict, report: dict | None, runner: ToolRunner | None) -> Response:
-    """Chunks pass through as the engine sends them; only the finishing chunk waits for the end of
-    the stream, so the report can ride on it (or on the usage chunk, when the client asked for usage).
+    """Chunks pass through as the engine sends them; only the bare finish (``finish_reason``, the
+    last token split off and sent at once) waits for the end of the stream, so the report can ride
+    on it (or on the usage chunk, when the client asked for usage).
     A stream the engine broke off ends with an OpenAI error event, then ``[DONE]``."""
     client_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     body = with_usage(body)
@@ -50,7 +63,10 @@ async def stream(engine: EngineClient, body: dict, report: dict | None, runner: 
         finishing: list[dict] = []
         async for chunk in es.chunks():
             if chunk.get("choices") and chunk["choices"][0].get("finish_reason"):
-                finishing.append(chunk)
+                now, finish = split_finish(chunk)
+                if now is not None:
+                    yield _sse(now)
+                finishing.append(finish)
             else:
                 yield _sse(chunk)
         if es.error is not None:

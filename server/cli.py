@@ -91,7 +91,8 @@ def cmd_model_build(ns: argparse.Namespace) -> int:
 
     if not ns.out:
         secure_home()
-    print(build(ns.name, Path(ns.out) if ns.out else None, ns.force, Path(ns.gguf) if ns.gguf else None))
+    print(build(ns.name, Path(ns.out) if ns.out else None, ns.force, Path(ns.gguf) if ns.gguf else None,
+                install=True))
     return 0
 
 
@@ -116,6 +117,7 @@ BENCHMARKS = {
     "clear-vs-recompute": "agentkv.benchmarks.clear_vs_recompute",
     "load": "agentkv.benchmarks.load",
     "connector-cost": "agentkv.benchmarks.connector_cost",
+    "report": "agentkv.benchmarks.report",
 }
 
 

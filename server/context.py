@@ -1,23 +1,29 @@
 """Applies a context policy to a session's conversation: the request path's compaction step.
 
-Order per request: sync the conversation into the session log (before any edit), rebuild the view
-from the edits in force, run the policy's edits on the view, persist what fired, report it.
+Order per request: sync the conversation into the session log (before any edit, as the client
+sent it), rebuild the view from the edits in force, drop what a client-sent compaction block
+replaces, put every message in the form the engine takes (``engine_form``, given by the API's
+format module), run the policy's edits on that view, persist what fired, report it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..compaction.clearing import clear_tool_uses
-from ..compaction.config import ClearToolUses
-from ..compaction.policy import ContextManagement, default_policy
+from ..compaction.config import ClearThinking, ClearToolUses, Compact
+from ..compaction.policy import ContextManagement, default_policy, with_defaults
 from ..compaction.prompt import Message, PromptRenderer
 from ..compaction.summarize import ModelClient, summarize
-from .sessions import SessionRef, Sessions
+from ..compaction.thinking import clear_thinking
+from .sessions import SessionRef, Sessions, ViewState
 
 log = logging.getLogger("agentkv.context")
+EngineForm = Callable[[Message], Message]
 
 
 @dataclass
@@ -28,70 +34,142 @@ class Prepared:
     report: dict[str, Any]
     edits: list  # PromptEdit of clearing in this request, against the pre-clearing view prompt
     old_ids: list[int]      # the pre-clearing view prompt (when clearing edited it)
+    compaction: Message | None = None  # the summary a compact edit wrote in this request
+    compact_edit: Compact | None = None  # ... and that edit
+
+
+@dataclass
+class _Run:
+    """What one pass of the policy's edits did to a view."""
+
+    view: list[Message]
+    where: list[int]
+    applied: list[dict] = field(default_factory=list)
+    failed: list[dict] = field(default_factory=list)
+    kv_edits: list = field(default_factory=list)
+    old_ids: list[int] = field(default_factory=list)
+    summary: Message | None = None
+    compact_edit: Compact | None = None
+
+
+def is_compaction(message: Message) -> bool:
+    """A message holding a compaction block with a summary (``content`` null: a failed one, a no-op)."""
+    content = message.get("content")
+    return isinstance(content, list) and any(
+        isinstance(p, dict) and p.get("type") == "compaction" and p.get("content") for p in content)
+
+
+def after_compaction(view: list[Message], where: list[int]) -> tuple[list[Message], list[int]]:
+    """Anthropic's rule for a compaction block the client sends back: everything before the latest
+    one is dropped; the leading system messages stay."""
+    last = max((i for i, m in enumerate(view) if is_compaction(m)), default=None)
+    lead = 0
+    while lead < len(view) and view[lead].get("role") in ("system", "developer"):
+        lead += 1
+    if last is None or last <= lead:
+        return view, where
+    return view[:lead] + view[last:], where[:lead] + where[last:]
 
 
 class ContextManager:
     def __init__(self, sessions: Sessions, renderer: PromptRenderer, summarizer: ModelClient):
         self.sessions, self.renderer, self.summarizer = sessions, renderer, summarizer
 
-    def prepare(self, owner: str, ref: SessionRef, messages: list[Message], tools: list | None,
-                policy: ContextManagement | None, window: int | None = None) -> Prepared:
-        synced = self.sessions.sync(owner, ref, messages)
-        key, session_id, state = synced.key, synced.id, synced.state
-        view, where = state.view(messages)
-        before = self.renderer.count(messages, tools)
-        applied: list[dict] = []
-        failed: list[dict] = []
-        kv_edits: list = []
-        old_ids: list[int] = []
+    def _view(self, state: ViewState, messages: list[Message], engine_form: EngineForm | None):
+        view, where = after_compaction(*state.view(messages))
+        if engine_form is not None:
+            view = [engine_form(m) for m in view]
+        return view, where
+
+    def _edit(self, run: _Run, state: ViewState, tools: list | None, policy: ContextManagement | None,
+              history: list[Message], notes_key: str | None, window: int | None) -> _Run:
+        """Run the policy's edits on ``run.view``, recording what replaces which conversation
+        message in ``state``. Compact edits run only with ``notes_key`` (a session to write to)."""
+        tokens_moved = False  # an edit changed tokens before clearing's: its KV edits no longer apply
         for edit in policy.edits if policy else []:
-            if isinstance(edit, ClearToolUses):
+            view, where = run.view, run.where
+            if isinstance(edit, ClearThinking):
+                r = clear_thinking(view, self.renderer, edit, tools)
+                if not r.cleared_turns:
+                    continue
+                for i, (a, b) in enumerate(zip(view, r.messages)):
+                    if a is not b:
+                        state.replaced[where[i]] = b
+                run.view = r.messages
+                tokens_moved = r.cleared_tokens > 0
+                run.applied.append({"type": edit.type, "cleared_thinking_turns": r.cleared_turns,
+                                    "cleared_input_tokens": r.cleared_tokens})
+            elif isinstance(edit, ClearToolUses):
                 r = clear_tool_uses(view, self.renderer, edit, tools)
                 if not r.edits:
                     continue
                 for i in {e.message_index for e in r.edits}:
                     state.replaced[where[i]] = r.messages[i]
-                kv_edits, old_ids = r.edits, r.old_ids
-                view = r.messages
-                applied.append({"type": "clear_tool_uses", "cleared_tool_uses": r.cleared_tool_uses,
-                                "cleared_input_tokens": r.cleared_tokens,
-                                "edits": [e.as_dict() for e in r.edits]})
-            else:
-                notes = [f"{kind}: {text}" for kind, text in self.sessions.log.notes(key)]
+                run.kv_edits, run.old_ids = ([], []) if tokens_moved else (r.edits, r.old_ids)
+                run.view = r.messages
+                run.applied.append({"type": edit.type, "cleared_tool_uses": r.cleared_tool_uses,
+                                    "cleared_input_tokens": r.cleared_tokens,
+                                    "edits": [e.as_dict() for e in r.edits]})
+            elif notes_key is not None:
+                notes = [f"{kind}: {text}" for kind, text in self.sessions.log.notes(notes_key)]
                 try:
-                    r = summarize(view, self.renderer, edit, self.summarizer, tools, notes, history=messages,
+                    r = summarize(view, self.renderer, edit, self.summarizer, tools, notes, history=history,
                                   window=window)
                 except Exception as exc:  # the summarizer's call failed: serve the request uncompacted
-                    log.warning("session %s: summary failed: %s", session_id, exc)
-                    failed.append({"type": "compact", "error": f"{exc.__class__.__name__}: {exc}"[:500]})
+                    log.warning("session %s: summary failed: %s", notes_key, exc)
+                    run.failed.append({"type": edit.type, "error": f"{exc.__class__.__name__}: {exc}"[:500]})
                     continue
                 if not r.summarized_messages:
                     continue
                 head = next(i for i, m in enumerate(r.messages) if m is not view[i])
                 cut = len(view) - (len(r.messages) - head - 1)
                 state.summary, state.summary_start = r.messages[head], where[head]
-                state.summary_end = where[cut] if cut < len(where) else len(messages)
-                where = where[:head + 1] + where[cut:]
-                view = r.messages
-                kv_edits, old_ids = [], []  # a summary rewrites the prompt from `head` on
-                applied.append({"type": "compact", "summarized_messages": r.summarized_messages,
-                                "summary_tokens": r.summary_tokens})
+                state.summary_end = where[cut] if cut < len(where) else len(history)
+                run.where = where[:head + 1] + where[cut:]
+                run.view = r.messages
+                run.kv_edits, run.old_ids = [], []  # a summary rewrites the prompt from `head` on
+                run.summary, run.compact_edit = r.messages[head], edit
+                run.applied.append({"type": edit.type, "summarized_messages": r.summarized_messages,
+                                    "summary_tokens": r.summary_tokens,
+                                    "cleared_input_tokens": r.tokens_before - r.tokens_after})
+        return run
+
+    def prepare(self, owner: str, ref: SessionRef, messages: list[Message], tools: list | None,
+                policy: ContextManagement | None, window: int | None = None,
+                engine_form: EngineForm | None = None) -> Prepared:
+        synced = self.sessions.sync(owner, ref, messages)
+        key, session_id, state = synced.key, synced.id, synced.state
+        history = [engine_form(m) for m in messages] if engine_form else messages
+        before = self.renderer.count(history, tools)
+        run = self._edit(_Run(*self._view(state, messages, engine_form)), state, tools, policy, history, key,
+                         window)
         self.sessions.save(key, state)
-        after = self.renderer.count(view, tools) if applied or state.replaced or state.summary else before
-        report = {"session_id": session_id, "applied_edits": applied,
+        view = run.view
+        after = self.renderer.count(view, tools) if view != history else before
+        report = {"session_id": session_id, "applied_edits": run.applied,
                   "prompt_tokens_before": before, "prompt_tokens_after": after}
-        if failed:
-            report["failed_edits"] = failed
-        return Prepared(key, session_id, view, report, kv_edits, old_ids)
+        if run.failed:
+            report["failed_edits"] = run.failed
+        return Prepared(key, session_id, view, report, run.kv_edits, run.old_ids, run.summary, run.compact_edit)
+
+    def count(self, messages: list[Message], tools: list | None, policy: ContextManagement | None,
+              engine_form: EngineForm | None = None) -> tuple[int, int]:
+        """(prompt tokens as the engine would get them, before any edit) for a conversation outside
+        any session: the request's clearing edits apply, a summary is not written (that takes a
+        generation), nothing is logged."""
+        state = ViewState()
+        history = [engine_form(m) for m in messages] if engine_form else messages
+        run = self._edit(_Run(*self._view(state, messages, engine_form)), state, tools, policy, history, None,
+                         None)
+        return self.renderer.count(run.view, tools), self.renderer.count(history, tools)
 
 
 async def manage(ctx: ContextManager, cfg, window: int, owner: str, ref: SessionRef,
-                 conversation: list[Message], tools: list | None, requested: ContextManagement | None) -> Prepared:
-    """The request path's compaction step for any API: the session, the policy (the request's, else
-    the server default when enabled), then ``prepare`` off the event loop."""
-    import asyncio
-
-    policy = requested
-    if policy is None and cfg.context_management:
-        policy = default_policy(window, cfg.clear_at, cfg.compact_at)
-    return await asyncio.to_thread(ctx.prepare, owner, ref, conversation, tools, policy, window or None)
+                 conversation: list[Message], tools: list | None, requested: ContextManagement | None,
+                 engine_form: EngineForm | None = None) -> Prepared:
+    """The request path's compaction step for any API: the session, the policy (the request's edits
+    with the server default's for the kinds it does not name, see ``with_defaults``), then
+    ``prepare`` off the event loop."""
+    default = default_policy(window, cfg.clear_at, cfg.compact_at) if cfg.context_management else None
+    policy = with_defaults(requested, default)
+    return await asyncio.to_thread(ctx.prepare, owner, ref, conversation, tools, policy, window or None, engine_form)

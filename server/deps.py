@@ -43,18 +43,13 @@ def get_context(request: Request, engine: Annotated[EngineClient, Depends(get_en
     if getattr(state, "context", None) is None:
         with state.context_lock:
             if getattr(state, "context", None) is None:
-                from openai import OpenAI
-
                 from ..compaction.prompt import PromptRenderer
-                from ..compaction.summarize import OpenAIModelClient
                 from .context import ContextManager
+                from .summarizer import EngineModelClient
 
                 sup = state.supervisor
-                summarizer = OpenAIModelClient(OpenAI(base_url=f"{sup.engine.base_url}/v1",
-                                                      api_key=sup.engine.secret, max_retries=0),
-                                               state.cfg.model_name)
                 state.context = ContextManager(state.sessions, PromptRenderer.from_pretrained(sup.model_path),
-                                               summarizer)
+                                               EngineModelClient(sup, state.cfg.model_name))
     return state.context
 
 

@@ -1,4 +1,5 @@
-"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}`."""
+"""Error bodies: OpenAI's `{"error": {"message", "type", "param", "code"}}`, and Anthropic's
+`{"type": "error", "error": {"type", "message"}}` on /v1/messages."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ SESSION_LOG_OPEN_ERRORS = (sqlite3.DatabaseError, psycopg.Error)  # a --session-
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
 
 
 class APIError(Exception):
@@ -31,6 +35,11 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "param": param, "code": code}}
 
 
+def anthropic_error_body(status: int, message: str) -> dict:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
@@ -44,10 +53,9 @@ def _loc_to_param(loc: tuple) -> str | None:
 def _respond(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
              headers: dict | None = None) -> JSONResponse:
     """OpenAI's error body, or Anthropic's (``{"type": "error", "error": {...}}``) on /v1/messages."""
-    if request.url.path.startswith("/v1/messages"):
-        body = error_body(status, message, param, code)["error"]
-        return JSONResponse({"type": "error", "error": {"type": body["type"], "message": message}},
-                            status_code=status, headers=headers)
+    if request.url.path.startswith("/v1/messages"):  # no `param` there: the message names the field
+        text = message if not param or param in message else f"{param}: {message}"
+        return JSONResponse(anthropic_error_body(status, text), status_code=status, headers=headers)
     return error_response(status, message, param, code, headers)
 
 
@@ -59,7 +67,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        param = _loc_to_param(tuple(first.get("loc", ())))
+        loc = tuple(first.get("loc", ()))
+        if first.get("type") in ("union_tag_invalid", "union_tag_not_found"):  # name the tag field
+            loc += (str((first.get("ctx") or {}).get("discriminator", "type")).strip("'"),)
+        param = _loc_to_param(loc)
         where = f"'{param}': " if param else ""
         return _respond(request, 400, f"{where}{first.get('msg', 'invalid request')}", param)
 

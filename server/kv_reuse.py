@@ -41,7 +41,7 @@ def session_token(session: str) -> str:
 
 
 def _kv_reports(prepared) -> list[dict]:
-    return [e.setdefault("kv", {}) for e in prepared.report["applied_edits"] if e["type"] == "clear_tool_uses"]
+    return [e.setdefault("kv", {}) for e in prepared.report["applied_edits"] if e["type"].startswith("clear_tool_uses")]  # agentkv's name or Anthropic's
 
 
 async def attach(cfg, engine, body: dict, session: str, prepared, mode: Mode | None) -> None:
@@ -50,8 +50,8 @@ async def attach(cfg, engine, body: dict, session: str, prepared, mode: Mode | N
     mode = mode or cfg.kv_reuse
     if not cfg.kv_connector:
         if mode != "recompute" and prepared.edits:
-            log.info("session %s: kv_reuse %s asked, but this server runs without the KV connector "
-                     "(--kv-reuse recompute); recomputing", prepared.session_id, mode)
+            log.warning("kv_reuse %s asked (session %s), but this server runs without the KV connector "
+                        "(--kv-reuse recompute): recomputing", mode, prepared.session_id)
             KV_FALLBACKS.labels("connector_disabled").inc()
             for kv in _kv_reports(prepared):
                 kv.update(mode="recompute", requested=mode, fallback="connector_disabled")

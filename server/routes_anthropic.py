@@ -1,12 +1,17 @@
-"""Anthropic Messages API, POST /v1/messages, on the same engine and context management.
+"""Anthropic Messages API: POST /v1/messages and /v1/messages/count_tokens.
 
-The body is converted to OpenAI messages for the session log and the policy, the managed view is
-converted back and sent to vLLM's own /v1/messages. `context_management` is added to the response
-(and to the stream's `message_delta` event)."""
+/v1/messages goes through the same engine step as /v1/chat/completions (server/engine_stream.py):
+the request becomes OpenAI messages once (server/anthropic_format.py), the session log and the
+policy work on those, the engine gets the managed view as a chat completion (server-executed
+recall/note included), and server/anthropic_stream.py encodes the answer in Anthropic's JSON or
+events. ``anthropic-beta`` values and ``?beta=true`` are accepted whatever they are."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import httpx
@@ -15,11 +20,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..compaction.policy import ContextManagement
-from .anthropic_format import to_anthropic, to_openai, tools_to_openai
-from .deps import ContextDep, EngineDep, OwnerDep
-from .proxy import unavailable, unavailable_message
-from .schemas import require_utf8
+from . import server_tools
+from .anthropic_format import chat_request, conversation, engine_message, tools_to_openai
+from .anthropic_stream import EventStream, error_event, message, paused
 from .context import manage
+from .deps import ContextDep, EngineDep, OwnerDep
+from .engine_stream import EngineStream, ToolRunner, completion, extra_fields, open_stream, with_usage
+from .errors import anthropic_error_body
+from .metrics import observe_usage
+from .proxy import unavailable_message
+from .schemas import require_utf8
 from .sessions import session_ref
 
 router = APIRouter(prefix="/v1")
@@ -27,7 +37,7 @@ router = APIRouter(prefix="/v1")
 
 class AnthropicMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 
@@ -38,72 +48,131 @@ class AnthropicTool(BaseModel):
     input_schema: dict[str, Any] | None = None
 
 
-class MessagesRequest(BaseModel):
+class _Conversation(BaseModel):
+    """What /v1/messages and /v1/messages/count_tokens share. Unknown fields are accepted."""
+
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     messages: list[AnthropicMessage] = Field(..., min_length=1, max_length=20_000)
-    max_tokens: int = Field(..., ge=1)
     system: str | list[dict[str, Any]] | None = None
     tools: list[AnthropicTool] | None = None
-    stream: bool = False
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    # agentkv's own (context_management is also Anthropic's):
     context_management: ContextManagement | None = None
+
+
+class MessagesRequest(_Conversation):
+    max_tokens: int = Field(..., ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
     session_id: str | None = None
+    server_tools: bool | None = None
 
 
-async def _stream(resp: httpx.Response, report: dict):
-    """Relay Anthropic SSE events; the `message_delta` event gains `context_management`."""
-    buf = b""
+@functools.lru_cache(maxsize=8)
+def takes_images(model_path: str | None) -> bool:
+    """Whether the served model reads images (its config has a vision tower)."""
+    if not model_path:
+        return False
     try:
-        async for chunk in resp.aiter_raw():
-            buf += chunk
-            while b"\n\n" in buf:
-                event, buf = buf.split(b"\n\n", 1)
-                text = event.decode()
-                if "event: message_delta" in text:
-                    lines = text.splitlines()
-                    for i, line in enumerate(lines):
-                        if line.startswith("data:"):
-                            data = json.loads(line[5:])
-                            data["context_management"] = report
-                            lines[i] = "data: " + json.dumps(data)
-                    text = "\n".join(lines)
-                yield (text + "\n\n").encode()
-        if buf:
-            yield buf
-    except httpx.TransportError as exc:  # the engine went away mid-stream: Anthropic's error event
-        err = {"type": "error", "error": {"type": "overloaded_error",
-                                          "message": unavailable_message(exc)}}
-        yield f"event: error\ndata: {json.dumps(err)}\n\n".encode()
-    finally:
-        await resp.aclose()
+        from transformers import AutoConfig
+
+        return getattr(AutoConfig.from_pretrained(model_path), "vision_config", None) is not None
+    except (OSError, ValueError):
+        return False
+
+
+def _error(status: int, payload: Any) -> JSONResponse:
+    """The engine's (OpenAI-shaped) refusal in Anthropic's shape."""
+    err = payload.get("error") if isinstance(payload, dict) else None
+    text = err.get("message") if isinstance(err, dict) else str(payload)
+    return JSONResponse(anthropic_error_body(status, str(text)), status_code=status)
+
+
+def _unavailable(exc: Exception) -> JSONResponse:
+    return JSONResponse(anthropic_error_body(503, unavailable_message(exc)), status_code=503)
+
+
+def _conversation(request: Request, body: dict) -> tuple[list, list | None]:
+    model_path = request.app.state.supervisor.model_path
+    return conversation(body.get("system"), body["messages"], takes_images(model_path)), \
+        tools_to_openai(body.get("tools"))
 
 
 @router.post("/messages")
 async def messages(req: MessagesRequest, request: Request, engine: EngineDep, owner: OwnerDep,
                    ctx: ContextDep) -> Response:
     cfg = request.app.state.cfg
-    body = require_utf8(req.model_dump(exclude_unset=True, exclude={"context_management", "session_id"}))
-    body["model"] = req.model or cfg.model_name
-    conversation = to_openai(body.get("system"), body["messages"])
+    body = require_utf8(req.model_dump(exclude_unset=True))
+    conv, tools = _conversation(request, body)
+    on = req.server_tools if req.server_tools is not None else cfg.server_tools
+    engine_tools = server_tools.with_server_tools(tools) if on else tools  # reserved names: 400 before logging
     prepared = await manage(ctx, cfg, request.app.state.supervisor.max_model_len, owner,
-                            session_ref(request.headers, {"session_id": req.session_id, **body}), conversation,
-                            tools_to_openai(body.get("tools")), req.context_management)
-    sid = prepared.session_id
-    system, body["messages"] = to_anthropic(prepared.messages)
-    if system:
-        body["system"] = system
-    try:
-        if body.get("stream"):
-            resp = await engine.post_stream("/v1/messages", body)
-            if resp.status_code != 200:
-                await resp.aread()
-                await resp.aclose()
-                return Response(resp.content, status_code=resp.status_code, media_type="application/json")
-            return StreamingResponse(_stream(resp, prepared.report), media_type="text/event-stream",
-                                     headers={"X-Session-Id": sid})
-        status, payload = await engine.post_json("/v1/messages", body)
-    except httpx.TransportError as exc:
-        return unavailable(exc)
-    if status == 200:
-        payload["context_management"] = prepared.report
-    return JSONResponse(payload, status_code=status, headers={"X-Session-Id": sid})
+                            session_ref(request.headers, {"session_id": req.session_id, **body}), conv, tools,
+                            req.context_management, engine_form=engine_message)
+    headers = {"X-Session-Id": prepared.session_id}
+    model = req.model or cfg.model_name
+    compaction = prepared.compaction if prepared.compact_edit and prepared.compact_edit.type == "compact_20260112" \
+        else None
+    if compaction and prepared.compact_edit.pause_after_compaction:
+        if req.stream:
+            enc = EventStream(model, 0)
+            events = [enc.start(), *enc.compaction(compaction),
+                      *enc.finish_events(None, extra_fields(prepared.report, []), reason="compaction")]
+            return StreamingResponse(iter(events), media_type="text/event-stream", headers=headers)
+        return JSONResponse(paused(model, compaction, extra_fields(prepared.report, [])), headers=headers)
+    chat = chat_request(body, model, prepared.messages, engine_tools)
+    runner = ToolRunner(ctx.sessions.log, prepared.key, cfg.max_server_tool_rounds) if on else None
+    if not req.stream:
+        try:
+            status, payload, calls = await completion(engine, chat, runner)
+        except httpx.TransportError as exc:
+            return _unavailable(exc)
+        if status != 200:
+            return _error(status, payload)
+        observe_usage(payload.get("usage"))
+        return JSONResponse(message(payload, compaction, extra_fields(prepared.report, calls)), headers=headers)
+
+    chat = with_usage(chat)
+    first = await open_stream(engine, chat)
+    if isinstance(first, Response):  # refused before anything was sent: an Anthropic error, not a 200
+        return _error(first.status_code, json.loads(first.body))
+    es = EngineStream(engine, chat, runner, first)
+    enc = EventStream(model, prepared.report["prompt_tokens_after"])
+
+    async def events() -> AsyncIterator[bytes]:
+        yield enc.start()
+        if compaction:
+            for event in enc.compaction(compaction):
+                yield event
+        async for chunk in es.chunks():
+            if "error" in chunk and not chunk.get("choices"):  # the engine reported an error in-stream
+                yield error_event(chunk)
+                return
+            for event in enc.chunk(chunk):
+                yield event
+        if es.error is not None:
+            yield error_event(es.error)
+            return
+        observe_usage(es.usage)
+        for event in enc.finish_events(es.usage, extra_fields(prepared.report, es.server_tool_calls)):
+            yield event
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={**headers, "Cache-Control": "no-cache"})
+
+
+@router.post("/messages/count_tokens")
+async def count_tokens(req: _Conversation, request: Request, _owner: OwnerDep, ctx: ContextDep) -> dict:
+    """The prompt's tokens as the engine would get them (chat template and tools included), the
+    request's clearing edits applied; nothing is logged. With ``context_management``, also
+    ``original_input_tokens`` (before the edits), as Anthropic answers."""
+    body = require_utf8(req.model_dump(exclude_unset=True))
+    conv, tools = _conversation(request, body)
+    after, before = await asyncio.to_thread(ctx.count, conv, tools, req.context_management, engine_message)
+    out: dict[str, Any] = {"input_tokens": after}
+    if req.context_management is not None:
+        out["context_management"] = {"original_input_tokens": before}
+    return out

@@ -21,16 +21,16 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, engine:
                            owner: OwnerDep, ctx: ContextDep) -> Response:
     cfg = request.app.state.cfg
     body = forward_body(req, cfg.model_name)
+    with_server_tools = req.server_tools if req.server_tools is not None else cfg.server_tools
+    if with_server_tools:  # before the context step: it must count and render what the engine sees
+        body["tools"] = server_tools.with_server_tools(body.get("tools"))
     prepared = await manage(ctx, cfg, request.app.state.supervisor.max_model_len, owner,
                             session_ref(request.headers, {"session_id": req.session_id, **body}), body["messages"],
                             body.get("tools"), req.context_management)
     key, sid = prepared.key, prepared.session_id
     body["messages"] = prepared.messages
     await kv_reuse.attach(cfg, engine, body, key, prepared, req.kv_reuse)
-    runner = None
-    if req.server_tools if req.server_tools is not None else cfg.server_tools:
-        body["tools"] = server_tools.with_server_tools(body.get("tools"))
-        runner = chat.ToolRunner(ctx.sessions.log, key, cfg.max_server_tool_rounds)
+    runner = chat.ToolRunner(ctx.sessions.log, key, cfg.max_server_tool_rounds) if with_server_tools else None
     handler = chat.stream if body.get("stream") else chat.complete
     response = await handler(engine, body, prepared.report, runner)
     response.headers["X-Session-Id"] = sid

@@ -25,6 +25,13 @@ import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+TINY = "agentkv-tiny"           # the random test model: fast, its answers are noise
+REAL = "smollm2-135m-instruct"  # the default model: real answers, ~10x slower on CPU
+
+# Models are built once, where setup.sh built them, not in every test server's home.
+from agentkv.server.embedded_model.catalog import models_dir  # noqa: E402
+
+os.environ.setdefault("AGENTKV_MODELS", str(models_dir()))
 API_KEY = "sk-agentkv-test"
 OTHER_KEY = "sk-agentkv-other"
 STARTUP_TIMEOUT_S = 900
@@ -62,12 +69,15 @@ class Server:
         return httpx.Client(base_url=self.base_url, headers=headers, timeout=300, **kw)
 
 
-def start_server(home: Path, *extra: str, env: dict[str, str] | None = None) -> Server:
+def start_server(home: Path, *extra: str, env: dict[str, str] | None = None, model: str | None = TINY) -> Server:
     """`agentkv serve` with its home in ``home``; the keys come from the environment, as README
-    advises (argv is visible to every local user), ``env`` adds to it."""
+    advises (argv is visible to every local user), ``env`` adds to it. ``model``: the tiny random
+    model by default (protocol tests), ``None`` for the server's default (the real SmolLM2)."""
     port = _free_port()
     log_path = home / "server.log"
     env = dict(os.environ, AGENTKV_HOME=str(home), AGENTKV_API_KEY=f"{API_KEY},{OTHER_KEY}", **(env or {}))
+    if model is not None and "--model" not in extra:
+        extra = ("--model", model, *extra)
     cmd = [sys.executable, "-m", "agentkv.server.cli", "serve", "--port", str(port), *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT,
@@ -179,13 +189,23 @@ def log_target(request, tmp_path) -> str:
 
 
 @pytest.fixture(scope="session")
+def real_server(tmp_path_factory) -> Server:
+    """`agentkv serve` with no model flag: the default, SmolLM2-135M-Instruct (8192-token window).
+    For the tests whose answers must be right; everything else uses the tiny model."""
+    srv = start_server(tmp_path_factory.mktemp("agentkv-real"), model=None)
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="session")
 def wide_server(tmp_path_factory) -> Server:
     """The tiny model with a 200k window, for the real agent harnesses (Claude Code's first request
-    is ~40k tokens with the tiny tokenizer and it assumes a 200k window; Codex assumes 258k)."""
+    is ~40k tokens with the tiny tokenizer and it assumes a 200k window; Codex assumes 258k); its
+    answers end by themselves (``TinyModelSpec.eos_weight``)."""
     from agentkv.server.embedded_model import TinyModelSpec, build_model
 
     home = tmp_path_factory.mktemp("agentkv-wide")
-    model = build_model(home / "tiny-wide", TinyModelSpec(max_position_embeddings=262144))
+    model = build_model(home / "tiny-wide", TinyModelSpec(max_position_embeddings=262144, eos_weight=3.5))
     srv = start_server(home, "--model", str(model), "--served-model-name", "agentkv-tiny",
                        "--max-model-len", "200000")
     yield srv

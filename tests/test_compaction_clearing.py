@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 from agent_sessions import TOOLS, conversations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from agentkv.compaction.clearing import clear_tool_uses, is_cleared
-from agentkv.compaction.config import ClearToolUses
+from agentkv.compaction.config import ClearToolUses, Trigger
 from agentkv.compaction.edits import apply_edits
 from agentkv.compaction.groups import tool_uses
 
@@ -37,10 +39,10 @@ def test_clearing_invariants(renderer, msgs, cfg):
     answered = [u for u in old_uses if u.result_index is not None]
     protected = answered[len(answered) - cfg.keep:] if cfg.keep else []
     for u in answered:
-        if u in protected or u.name in cfg.exclude_tools:
+        if u in protected or cfg.excluded(u.name):
             assert new[u.result_index] == msgs[u.result_index]
     if r.edits:
-        assert r.tokens_before >= cfg.trigger and r.cleared_tokens >= cfg.clear_at_least
+        assert r.tokens_before >= cfg.trigger.value and r.cleared_tokens >= cfg.clear_at_least
     else:
         assert new == msgs
     # the edits turn the old prompt's tokens into the new prompt's tokens, exactly
@@ -91,9 +93,57 @@ def test_trigger_and_clear_at_least_leave_the_prompt_alone(renderer):
 def test_anthropic_style_thresholds_are_accepted():
     cfg = ClearToolUses.model_validate({"trigger": {"type": "input_tokens", "value": 30000},
                                         "keep": {"type": "tool_uses", "value": 2}})
-    assert cfg.trigger == 30000 and cfg.keep == 2
+    assert cfg.trigger == Trigger(type="input_tokens", value=30000) and cfg.keep == 2
+    with pytest.raises(ValidationError, match="tool_uses"):
+        ClearToolUses.model_validate({"keep": {"type": "input_tokens", "value": 2}})
+
+
+def _uses(n: int, result: str = "hit " * 100) -> list[dict]:
+    msgs = [{"role": "user", "content": "x"}]
+    for i in range(n):
+        msgs += [{"role": "assistant", "content": None, "tool_calls": [
+                     {"id": f"c{i}", "type": "function",
+                      "function": {"name": ["grep", "bash"][i % 2], "arguments": f'{{"q": "{i}"}}'}}]},
+                 {"role": "tool", "tool_call_id": f"c{i}", "content": result}]
+    return msgs
+
+
+def test_trigger_on_tool_uses(renderer):
+    msgs = _uses(4)
+    at = ClearToolUses.model_validate({"trigger": {"type": "tool_uses", "value": 4}, "keep": 1})
+    above = ClearToolUses.model_validate({"trigger": {"type": "tool_uses", "value": 5}, "keep": 1})
+    assert clear_tool_uses(msgs, renderer, at).cleared_tool_uses == 3
+    assert clear_tool_uses(msgs, renderer, above).messages == msgs
+
+
+def test_clear_tool_inputs_of_named_tools_only(renderer):
+    msgs = _uses(4)
+    r = clear_tool_uses(msgs, renderer, ClearToolUses(trigger=0, keep=0, clear_tool_inputs=["bash"]))
+    args = [m["tool_calls"][0]["function"]["arguments"] for m in r.messages if m.get("tool_calls")]
+    assert args == ['{"q": "0"}', "{}", '{"q": "2"}', "{}"]            # grep's kept, bash's cleared
+    assert r.cleared_tool_uses == 4
 
 
 def test_count_equals_full_tokenization(renderer):
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hello world " * 30}]
     assert renderer.count(msgs, TOOLS) == len(renderer.render(msgs, TOOLS).token_ids)
+
+
+def test_a_request_naming_no_size_edit_keeps_the_default_clearing_and_compaction():
+    from agentkv.compaction.config import ClearThinking, Compact
+    from agentkv.compaction.policy import ContextManagement, default_policy, with_defaults
+
+    default = default_policy(8192)
+    assert with_defaults(None, default) == default
+    off = ContextManagement(edits=[])
+    assert with_defaults(off, default) == off                           # {"edits": []}: no management
+    claude = ContextManagement.model_validate({"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]})
+    merged = with_defaults(claude, default)
+    assert [type(e) for e in merged.edits] == [ClearThinking, ClearToolUses, Compact]
+    assert merged.edits[1:] == default.edits
+    only_clear = ContextManagement.model_validate({"edits": [{"type": "clear_thinking"},
+                                                             {"type": "clear_tool_uses", "trigger": 100}]})
+    assert with_defaults(only_clear, default) == only_clear             # names clearing: exactly that
+    only_compact = ContextManagement.model_validate({"edits": [{"type": "compact", "trigger": 100}]})
+    assert with_defaults(only_compact, default) == only_compact
+    assert with_defaults(claude, None) == claude                        # --no-context-management

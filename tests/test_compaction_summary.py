@@ -13,7 +13,7 @@ from agentkv.compaction.baselines import head_tail, sliding_window
 from agentkv.compaction.config import Compact
 from agentkv.compaction.groups import groups, tool_uses
 from agentkv.compaction.summarize import (NOTE_START, OpenAIModelClient, is_summary, previous_note,
-                                          summarize)
+                                          summarize, transcript)
 
 
 class RecordingClient:
@@ -46,7 +46,9 @@ def test_summary_copies_user_messages_notes_and_files(renderer):
     client = RecordingClient("Goal: fix media timeout. Done: steps 0-8.")
     cfg = Compact(trigger=0, keep_recent_tokens=400)
     r = summarize(msgs, renderer, cfg, client, TOOLS, notes=["decision: raise timeout to 1500"])
-    assert r.tokens_after < r.tokens_before and r.summarized_messages > 0
+    assert r.tokens_before == renderer.count(msgs, TOOLS) and r.tokens_after == renderer.count(r.messages, TOOLS)
+    assert r.tokens_after < r.tokens_before
+    assert len(r.messages) == len(msgs) - r.summarized_messages + 1            # one summary for the old part
     assert r.messages[0] == msgs[0]
     summary = r.messages[1]
     assert is_summary(summary)
@@ -57,7 +59,9 @@ def test_summary_copies_user_messages_notes_and_files(renderer):
     assert previous_note(r.messages) == client.note
     assert r.messages[2:] == msgs[len(msgs) - len(r.messages) + 2:]           # recent part untouched
     assert r.messages[2]["role"] != "tool"                                     # cut on a group boundary
-    assert client.prompts[0][1]["content"].count("step 1") >= 1
+    old = msgs[1:1 + r.summarized_messages]
+    assert client.prompts[0][1]["content"] == \
+        f"Conversation to fold into the note:\n{transcript(old)}\n\nWrite the updated handoff note."
 
 
 def test_next_compaction_updates_the_previous_note(renderer):
@@ -91,7 +95,9 @@ def test_summary_with_the_real_embedded_model(server, renderer):
     r = summarize(session(), renderer, Compact(trigger=0, keep_recent_tokens=400, summary_max_tokens=24),
                   client, TOOLS)
     assert is_summary(r.messages[1]) and NOTE_START in r.messages[1]["content"]
-    assert r.note is not None and r.summary_tokens > 0 and r.tokens_after < r.tokens_before
+    assert previous_note(r.messages) == r.note.strip()
+    assert r.summary_tokens == renderer.count_text(r.messages[1]["content"])
+    assert r.tokens_after == renderer.count(r.messages, TOOLS) < r.tokens_before
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -122,7 +128,8 @@ def test_summarizer_request_fits_the_window(renderer, window):
     client = RecordingClient("Goal: fix media timeout.")
     cfg = Compact(trigger=0, keep_recent_tokens=200, summary_max_tokens=128)
     r = summarize(msgs, renderer, cfg, client, TOOLS, window=window)
-    assert r.summarized_messages > 0 and len(client.prompts) == 1
+    unbounded = summarize(msgs, renderer, cfg, RecordingClient("x"), TOOLS)   # the window trims the transcript,
+    assert r.summarized_messages == unbounded.summarized_messages and len(client.prompts) == 1  # not the cut
     assert renderer.count(client.prompts[0]) + cfg.summary_max_tokens <= window
     if window == 600:                                   # the oldest part of the transcript went first
         assert "[...]" in client.prompts[0][1]["content"] and "step 29" not in client.prompts[0][1]["content"]
@@ -133,3 +140,18 @@ def test_no_summary_when_even_the_bare_request_cannot_fit(renderer):
     cfg = Compact(trigger=0, keep_recent_tokens=200, summary_max_tokens=128)
     r = summarize(session(), renderer, cfg, client, TOOLS, window=150)
     assert client.prompts == [] and r.summarized_messages == 0
+
+
+def test_anthropic_compact_summarizes_everything_before_the_point_of_compaction(renderer):
+    cfg = Compact.model_validate({"type": "compact_20260112", "trigger": {"type": "input_tokens", "value": 50_000},
+                                  "instructions": "Only list ports."})
+    assert (cfg.keep_recent_tokens, cfg.pause_after_compaction, cfg.trigger) == (0, False, 50_000)
+    assert Compact.model_validate({"type": "compact_20260112"}).trigger == 150_000     # Anthropic's default
+    with pytest.raises(ValueError, match="at least 50000"):
+        Compact.model_validate({"type": "compact_20260112", "trigger": 49_999})
+    client = RecordingClient("ports: none")
+    low = cfg.model_copy(update={"trigger": 0})
+    r = summarize(session(), renderer, low, client, TOOLS)
+    assert [m["role"] for m in r.messages] == ["system", "user"] and is_summary(r.messages[1])
+    assert r.summarized_messages == len(session()) - 1
+    assert client.prompts[0][0]["content"] == "Only list ports."

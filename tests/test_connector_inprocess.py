@@ -90,7 +90,7 @@ def test_a_session_of_clears_moves_held_blocks_and_keeps_no_kv_of_its_own(llm):
     generate(engine, renderer.render(msgs).token_ids, session, "a")
     for i in range(2, 5):                                    # three clears, one per turn
         msgs = msgs + turn(i)
-        r = clear_tool_uses(msgs, renderer, ClearToolUses(trigger=0, keep=1))
+        r = clear_tool_uses(msgs, renderer, ClearToolUses(trigger=0, keep=2))
         assert r.edits
         msgs = r.messages
         spans = [[e.start, e.end, len(e.replacement_ids)] for e in r.edits]

@@ -19,6 +19,7 @@ import yaml
 from agentkv.server.app import create_app
 from agentkv.server.cli import build_parser
 from agentkv.server.config import ServeConfig
+from agentkv.server.sessions import SOURCES
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 REPO = DEPLOY.parent
@@ -71,10 +72,20 @@ def test_deployment_gpus_probes_and_flags():
     assert container["ports"][0]["containerPort"] == 8000
     backend = ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
     assert backend["name"] == svc["metadata"]["name"]
-    assert ing["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"] == "$http_x_session_id"
+    assert ing["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"] == affinity_key()
     secret = kinds["Secret"]["stringData"]
     refs = {e["valueFrom"]["secretKeyRef"]["key"] for e in container["env"] if "valueFrom" in e}
     assert refs <= secret.keys()
+
+
+def affinity_key() -> str:
+    """nginx's hash key for the session headers agentkv reads, in its precedence order."""
+    headers = [name for name, _, _ in SOURCES if "-" in name]   # header names; body fields have none
+    return "".join("$http_" + h.replace("-", "_") for h in headers)
+
+
+def test_affinity_follows_the_session_precedence():
+    assert affinity_key() == "$http_x_session_id$http_x_claude_code_session_id$http_session_id$http_thread_id"
 
 
 def test_compose_file_follows_the_compose_spec():

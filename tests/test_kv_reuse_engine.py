@@ -53,11 +53,11 @@ def conversation(system: str = "agent", lines: int = 70) -> list[dict]:
 LATER = [{"role": "user", "content": "which service is slow?"}]
 
 
-def ask(server, msgs, sid, cm, mode):
+def ask(server, msgs, sid, cm, mode, **extra):
     # each run gets its own cache salt: the reference must not hit blocks the shifted run cached
     r = server.http().post("/v1/chat/completions", headers={"X-Session-Id": sid}, json={
         "model": "agentkv-tiny", "messages": msgs, "max_tokens": 1, "temperature": 0, "logprobs": True,
-        "top_logprobs": 5, "context_management": cm, "kv_reuse": mode, "cache_salt": sid})
+        "top_logprobs": 5, "context_management": cm, "kv_reuse": mode, "cache_salt": sid, **extra})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -135,6 +135,21 @@ def test_blend_leaves_a_tail_to_recompute(shift_server):
     ask(shift_server, msgs, sid2, NONE, "shift")
     assert kv["reused_tokens"] < kv_report(ask(shift_server, msgs + LATER, sid2, CLEAR, "shift"))["reused_tokens"]
     same_logprobs(blended, recomputed(shift_server, msgs, msgs + LATER))
+
+
+def test_with_server_tools_the_context_step_sees_the_engines_prompt(shift_server):
+    """Server tools are added before the context step: it counts the prompt the engine gets, and the
+    edit's spans are on the engine's prompt, so the connector reuses instead of falling back."""
+    msgs = conversation()
+    sid = f"t-{uuid.uuid4().hex[:8]}"
+    first = ask(shift_server, msgs, sid, NONE, "shift", server_tools=True)
+    assert first["context_management"]["prompt_tokens_before"] == first["usage"]["prompt_tokens"]
+    shifted = ask(shift_server, msgs + LATER, sid, CLEAR, "shift", server_tools=True)
+    cm = shifted["context_management"]
+    (edit,) = cm["applied_edits"]
+    assert cm["prompt_tokens_after"] == shifted["usage"]["prompt_tokens"]
+    assert cm["prompt_tokens_before"] - cm["prompt_tokens_after"] == edit["cleared_input_tokens"]
+    assert edit["kv"]["fallback"] is None and edit["kv"]["reused_tokens"] >= 512, edit["kv"]
 
 
 def fallback(server, reason: str, first: list[dict] | None, later: list[dict], sid: str | None = None,

