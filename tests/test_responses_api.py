@@ -45,7 +45,7 @@ def test_create_streamed_and_not(wide_server):
     client = wide_server.client()
     rules = " ".join(f"Rule {i}: answer in few words." for i in range(60))   # long enough to be cached
     kw = {"model": MODEL, "instructions": rules, "input": "Say hi.", "max_output_tokens": 8,
-          "temperature": 0, "store": False}
+          "temperature": 0, "store": False, "extra_body": {"min_tokens": 2}}   # its first token may end the turn
     whole = client.responses.create(**kw)
     assert whole.object == "response" and whole.status in ("completed", "incomplete")
     assert [o.type for o in whole.output] == ["message"] and whole.output_text
@@ -70,14 +70,14 @@ def test_function_call_round_trip(wide_server, stream):
           "extra_headers": {"x-session-id": session}}
     question = [{"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]}]
     if stream:
-        with client.responses.stream(input=question, max_output_tokens=60, extra_body=FORCE_CALL, **kw) as s:
+        with client.responses.stream(input=question, max_output_tokens=160, extra_body=FORCE_CALL, **kw) as s:
             events = list(s)
             first = s.get_final_response()
         assert "response.function_call_arguments.delta" in [e.type for e in events]
         done = [e for e in events if e.type == "response.function_call_arguments.done"]
         assert done[0].arguments == first.output[-1].arguments
     else:
-        first = client.responses.create(input=question, max_output_tokens=60, extra_body=FORCE_CALL, **kw)
+        first = client.responses.create(input=question, max_output_tokens=160, extra_body=FORCE_CALL, **kw)
     (call,) = [o for o in first.output if o.type == "function_call"]
     assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Rome", "Oslo")
     assert first.status == "completed"
