@@ -152,6 +152,29 @@ def test_with_server_tools_the_context_step_sees_the_engines_prompt(shift_server
     assert edit["kv"]["fallback"] is None and edit["kv"]["reused_tokens"] >= 512, edit["kv"]
 
 
+def test_responses_api_sends_the_edit_and_reports_the_outcome(shift_server):
+    """/v1/responses takes the chat path's KV step: the edit reaches the connector, which reuses."""
+    items = [{"role": "system", "content": "agent"}, {"role": "user", "content": "run the checks"}]
+    for i, svc in enumerate(("media", "auth", "billing")):
+        out = "\n".join(f"{svc} probe {j}: latency {j * 7 % 300} ms ok" for j in range(70))
+        items += [{"type": "function_call", "call_id": f"c{i}", "name": "bash", "arguments": json.dumps({"cmd": svc})},
+                  {"type": "function_call_output", "call_id": f"c{i}", "output": out}]
+    sid = f"resp-{uuid.uuid4().hex[:8]}"
+
+    def respond(inp, cm):
+        r = shift_server.http().post("/v1/responses", headers={"X-Session-Id": sid}, json={
+            "model": "agentkv-tiny", "input": inp, "max_output_tokens": 1, "temperature": 0, "store": False,
+            "context_management": cm, "kv_reuse": "shift"})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    respond(items, NONE)
+    body = respond(items + [{"role": "user", "content": "which service is slow?"}], CLEAR)
+    kv = body["context_management"]["applied_edits"][0]["kv"]
+    assert kv["mode"] == "shift" and kv["fallback"] is None and kv["reused_tokens"] >= 512, kv
+    assert "kv_transfer_params" not in body
+
+
 def fallback(server, reason: str, first: list[dict] | None, later: list[dict], sid: str | None = None,
              between=None) -> dict:
     """Clear after ``first`` (None: clearing on the session's first request); the edit must fall back
