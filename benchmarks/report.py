@@ -100,6 +100,19 @@ def _load(r: dict) -> str:
     return table(cols, [row])
 
 
+def _connector_cost(r: dict) -> str:
+    goal = f"goal {r['goal']:.0%}"
+    head = table(["metric", "median on", "median off", "median paired on/off", "pairs", "cost", goal],
+                 [[k, x["median_on"], x["median_off"], x["median_paired_ratio"], x["pairs"],
+                   "-" if x["cost"] is None else f"{x['cost']:+.1%}", "met" if x["goal_met"] else "not met"]
+                  for k, x in r["summary"].items()])
+    rows = table(["session", "turn", "connector", "prompt tokens", "TTFT s", "decode tokens/s"],
+                 [[x["session"], x["turn"], x["connector"], x.get("prompt_tokens"), x["ttft_s"], x["decode_tps"]]
+                  for x in r["rows"]])
+    return (f"{r['sessions']} sessions x {r['turns']} turns, requests that never clear:\n\n{head}\n\n"
+            f"Every request:\n\n{rows}")
+
+
 def _rows(r: dict) -> str:
     """Any benchmark with a list of flat ``rows``: every column of every row."""
     rows = r["rows"]
@@ -110,7 +123,7 @@ def _rows(r: dict) -> str:
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "kernel": _kernel, "kv-memory": _kv_memory, "decode-throughput": _decode, "delayed-recall": _delayed_recall,
     "probe": _probe, "clear-vs-recompute": _clear_vs_recompute, "load": _load, "load-shift": _load,
-    "load-blend": _load,
+    "load-blend": _load, "connector-cost": _connector_cost,
 }
 
 
