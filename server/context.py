@@ -138,7 +138,7 @@ class ContextManager:
     def prepare(self, owner: str, ref: SessionRef, messages: list[Message], tools: list | None,
                 policy: ContextManagement | None, want_ids: bool = False, window: int | None = None,
                 engine_form: EngineForm | None = None) -> Prepared:
-        synced = self.sessions.sync(owner, ref, messages)
+        synced = self.sessions.sync(owner, ref, messages, self.renderer.known.keys(messages))
         key, session_id, state = synced.key, synced.id, synced.state
         history = [engine_form(m) for m in messages] if engine_form else messages
         before = self.renderer.count(history, tools)

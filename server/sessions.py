@@ -175,10 +175,11 @@ class Sessions:
     def __init__(self, log: SessionLog):
         self.log = log
 
-    def sync(self, owner: str, ref: SessionRef, messages: list[Message]) -> Synced:
+    def sync(self, owner: str, ref: SessionRef, messages: list[Message], keys: list[str] | None = None) -> Synced:
         """Find the session, append the messages its log has not seen (before any edit) and return
-        its view state: one transaction, so concurrent requests on one session append each message once."""
-        keys = [message_key(m) for m in messages]
+        its view state: one transaction, so concurrent requests on one session append each message once.
+        ``keys``: the messages' ``message_key`` where the caller has them (``KnownMessages``)."""
+        keys = [message_key(m) for m in messages] if keys is None else keys
         if ref.id is not None:
             key, sid = session_key(owner, ref.id)
             with self.log.transaction(key) as tx:
