@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from .prompt_segments import (Boundaries, Layout, NotLocal, Segment, SegmentCache, check_template, context,
-                              generation_text, segment_text)
+from .prompt_segments import (Boundaries, Layout, NotLocal, Segment, SegmentCache, TemplateCheck, check_template,
+                              context, generation_text, segment_text)
 
 Message = dict[str, Any]
 log = logging.getLogger("agentkv.prompt")
@@ -151,8 +151,9 @@ class PromptRenderer:
         self._cache = SegmentCache()
         self._edges = Boundaries(tokenizer)
         self._tools: list[tuple[list, str]] = []
-        self.not_segmented = check_template(self._render_full, getattr(tokenizer, "chat_template", None)) \
-            if segments else "turned off"
+        check = check_template(self._render_full, getattr(tokenizer, "chat_template", None)) if segments \
+            else TemplateCheck("turned off")
+        self.not_segmented, self._tools_free = check.reason, check.tools_free
         if self.not_segmented and segments:
             log.info("the chat template renders whole conversations (%s)", self.not_segmented)
 
@@ -182,6 +183,17 @@ class PromptRenderer:
     def _tokens_in(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, as ``tokenizer(text, add_special_tokens=False)`` gives them: a
+        fast tokenizer's backend is called directly (one text at a time for a few: a batch wakes
+        the backend's thread pool, which costs more than small texts do)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None) if self.tokenizer.is_fast else None
+        if backend is None:
+            return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        if len(texts) <= 8:
+            return [backend.encode(t, add_special_tokens=False).ids for t in texts]
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+
     # -- segments (see prompt_segments) ------------------------------------------------------
     def _tools_key(self, tools: list | None) -> str:
         for seen, key in self._tools:
@@ -204,8 +216,10 @@ class PromptRenderer:
                 layout = base
             else:
                 layout = self._extend(base, common, messages, keys, tools, tk)
-            gen_key = ("gen", tk, *(keys[j] for j in context(len(keys) - 1)), keys[-1])
-            gen = self._segments([gen_key], lambda _: generation_text(self._render_full, messages, tools))[0]
+            free = self._tools_free
+            gen_key = ("gen", "" if free else tk, *(keys[j] for j in context(len(keys) - 1)), keys[-1])
+            gen = self._segments([gen_key], lambda _: generation_text(self._render_full, messages,
+                                                                       None if free else tools))[0]
         except NotLocal as exc:
             log.debug("rendering the whole conversation: %s", exc)
             return None
@@ -225,7 +239,7 @@ class PromptRenderer:
         missing = [i for i, s in enumerate(out) if s is None]
         if missing:
             texts = [text_of(i) for i in missing]
-            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            ids = self._encode(texts)
             for i, text, tokens in zip(missing, texts, ids):
                 s = Segment(text, array("i", tokens), self._edges.clean_start(text))
                 self._cache.put_segment(keys[i], s)
@@ -235,8 +249,10 @@ class PromptRenderer:
     def _extend(self, base: Layout | None, common: int, messages: list[Message], keys: list[str],
                 tools: list | None, tk: str) -> Layout:
         n = len(messages)
-        seg_keys = [(tk, *(keys[j] for j in context(i)), keys[i]) for i in range(common, n)]
-        new = self._segments(seg_keys, lambda j: segment_text(self._render_full, messages, common + j, tools))
+        free = self._tools_free  # segments after the first rendered without the tool signatures
+        seg_keys = [("" if i and free else tk, *(keys[j] for j in context(i)), keys[i]) for i in range(common, n)]
+        new = self._segments(seg_keys, lambda j: segment_text(self._render_full, messages, common + j,
+                                                              None if common + j and free else tools))
         segments = (base.segments[:common] if base else []) + new
         chars = base.chars[:common] if base else []
         ends = base.ends[:common] if base else []

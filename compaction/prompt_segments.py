@@ -141,18 +141,28 @@ PROBE_KINDS: list[Message] = [
     {"role": "tool", "tool_call_id": "call_1", "content": "Result one."},
     {"role": "tool", "tool_call_id": "call_2", "content": "Result two."},
 ]
-PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_tool", "description": "a probe",
-                                                  "parameters": {"type": "object",
-                                                                 "properties": {"path": {"type": "string"}}}}}]
+PROBE_TOOLS = [{"type": "function", "function": {"name": n, "description": "a probe", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}}}}} for n in ("probe_tool", "other_tool")]
 CLOCK = ("strftime_now", "now(")
 
 
-def check_template(render: RenderText, template: Any) -> str | None:
-    """None when every probe conversation's segments and generation prompt, rendered from their
-    reduced contexts, equal the full render's; else why not."""
+@dataclass(frozen=True)
+class TemplateCheck:
+    """``reason``: None when the template renders message by message (else why not);
+    ``tools_free``: the segments after the first and the generation prompt do not depend on the
+    tools (their reduced renders then leave the tool signatures out, which can be most of a
+    small render's cost)."""
+
+    reason: str | None
+    tools_free: bool = False
+
+
+def check_template(render: RenderText, template: Any) -> TemplateCheck:
+    """Every probe conversation's segments and generation prompt, rendered from their reduced
+    contexts, against the full render's."""
     source = template if isinstance(template, str) else str(template or "")
     if any(c in source for c in CLOCK):
-        return "the template reads the clock"
+        return TemplateCheck("the template reads the clock")
     cache: dict[tuple, str] = {}
 
     def full(msgs: list[Message], tools, gen: bool) -> str:
@@ -161,7 +171,7 @@ def check_template(render: RenderText, template: Any) -> str | None:
             cache[k] = render(msgs, tools, gen)
         return cache[k]
 
-    checked = 0
+    checked, tools_free = 0, True
     user, assistant = PROBE_KINDS[1], PROBE_KINDS[3]
     for start in ([PROBE_KINDS[0], user, assistant], [user, assistant, user]):
         for tools in (None, PROBE_TOOLS):
@@ -175,15 +185,28 @@ def check_template(render: RenderText, template: Any) -> str | None:
                         continue
                     try:
                         for i in range(1, len(msgs)):
-                            if texts[i] != texts[i - 1] + segment_text(full, msgs, i, tools):
-                                return f"a {msgs[i]['role']} message after a {msgs[i - 1]['role']} message " \
-                                       "does not render on its own"
-                        if prompt != texts[-1] + generation_text(full, msgs, tools):
-                            return "the generation prompt is not appended to the conversation"
+                            seg = segment_text(full, msgs, i, tools)
+                            if texts[i] != texts[i - 1] + seg:
+                                return TemplateCheck(f"a {msgs[i]['role']} message after a {msgs[i - 1]['role']} "
+                                                     "message does not render on its own")
+                            if tools and tools_free:
+                                tools_free = _same_without_tools(seg, lambda: segment_text(full, msgs, i, None))
+                        gen = generation_text(full, msgs, tools)
+                        if prompt != texts[-1] + gen:
+                            return TemplateCheck("the generation prompt is not appended to the conversation")
+                        if tools and tools_free:
+                            tools_free = _same_without_tools(gen, lambda: generation_text(full, msgs, None))
                     except NotLocal as exc:
-                        return str(exc)
+                        return TemplateCheck(str(exc))
                     checked += 1
-    return None if checked else "no probe conversation renders"
+    return TemplateCheck(None, tools_free) if checked else TemplateCheck("no probe conversation renders")
+
+
+def _same_without_tools(text: str, without) -> bool:
+    try:
+        return without() == text
+    except NotLocal:
+        return False
 
 
 class SegmentCache:

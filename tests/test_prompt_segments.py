@@ -170,7 +170,7 @@ def test_segments_without_special_tokens_between_them_are_tokenized_joined(tiny_
 
 def test_a_template_that_fails_on_a_real_conversation_is_rendered_whole_from_then_on(tiny_model_dir, caplog):
     r, whole = _with_template(tiny_model_dir, LONG_ONLY), _with_template(tiny_model_dir, LONG_ONLY, segments=False)
-    assert check_template(r._render_full, LONG_ONLY) is None and r.segmented  # the probe passes...
+    assert check_template(r._render_full, LONG_ONLY).reason is None and r.segmented  # the probe passes...
     msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(8)]
     assert r.render(msgs) == whole.render(msgs)                               # ...the first sight does not
     assert not r.segmented and "did not join" in r.not_segmented
