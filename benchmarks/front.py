@@ -312,14 +312,21 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--url needs --engine-url and --engine-key (the engine that server runs on)")
     from tqdm import tqdm
 
-    from ..compaction.prompt import PromptRenderer
+    from ..compaction.prompt import KnownMessages, PromptRenderer
     from ..server.embedded_model.catalog import model_dir
     from ..server.embedded_model.names import SMOLLM2
 
     path = args.tokenizer or str(model_dir(SMOLLM2))
     tokenizer = PromptRenderer.from_pretrained(path, segments=False).tokenizer
-    prompt = prompt_rows(lambda segments: PromptRenderer(tokenizer, segments=segments), args.sizes, args.turns,
-                         args.new_sizes) if "prompt" in args.parts else []
+
+    def renderer(segments: bool) -> PromptRenderer:
+        """With segments (now), or as before: whole renders, every message hashed on every request."""
+        r = PromptRenderer(tokenizer, segments=segments)
+        if not segments:
+            r.known = KnownMessages(max_lists=0)
+        return r
+
+    prompt = prompt_rows(renderer, args.sizes, args.turns, args.new_sizes) if "prompt" in args.parts else []
     relay, model = [], None
     if "relay" in args.parts:
         with Endpoint(args.url, args.api_key, () if args.url else ("--model", args.model)) as ep:

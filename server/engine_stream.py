@@ -13,32 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import msgspec
 from fastapi.responses import JSONResponse, Response
 
 from ..compaction.session_log import SessionLog
 from . import server_tools
 from .errors import error_body
-from .proxy import EngineClient, json_of, unavailable, unavailable_message
+from .proxy import EngineClient, decode_json, encode_json, json_of, unavailable, unavailable_message
 
 PATH = "/v1/chat/completions"
-encode_json = msgspec.json.encode  # compact, UTF-8 (vLLM's own events are too), a few times faster than json
-
-
-def decode_json(data: bytes) -> Any:
-    """A chunk's JSON: msgspec (the same values as ``json.loads``, a few times faster); the
-    literals only Python's json reads (NaN, Infinity) by json."""
-    try:
-        return msgspec.json.decode(data)
-    except msgspec.DecodeError:
-        return json.loads(data)
-
-
 class ToolRunner:
     """Executes server tool calls against one session and logs the exchange (append-only)."""
 
