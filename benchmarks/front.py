@@ -66,7 +66,8 @@ def _output(rng: random.Random, lines: int) -> str:
 def turn(rng: random.Random, n: int, lines: int | None = None) -> list[dict]:
     """One agent step: a tool call and its result (a file read, a command's output or a grep)."""
     kind = rng.choice(["read_file", "bash", "grep"])
-    lines = lines if lines is not None else rng.randrange(20, 160)
+    if lines is None:  # mostly short outputs, some pages, a few whole files
+        lines = rng.choices([rng.randrange(2, 12), rng.randrange(15, 40), rng.randrange(80, 200)], [70, 25, 5])[0]
     args = {"read_file": {"path": f"src/{rng.choice(WORDS)}/{rng.choice(WORDS)}.py"},
             "bash": {"command": f"pytest -q tests/test_{rng.choice(WORDS)}.py"},
             "grep": {"pattern": rng.choice(WORDS), "path": "src"}}[kind]
@@ -131,27 +132,31 @@ def prompt_rows(renderer_of, sizes: list[int], turns: int, new_sizes: list[int])
             grown.append(grown[-1] + turn(rng, 10_000 + t))
         for mode in ("segments", "whole"):
             ctx, policy, log = _context_step(renderer_of(mode == "segments"), window=WINDOW)
-            times = []
+            times, cpu = [], []
             for i, msgs in enumerate(grown):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 p = ctx.prepare("bench", SessionRef(f"s{size}"), msgs, TOOLS, policy, want_ids=True)
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
                 if p.report["applied_edits"] or len(p.prompt_ids) != p.report["prompt_tokens_after"]:
                     raise RuntimeError(f"not the steady state measured here: {p.report}")
             log.close()
             new = [counter.count(b, TOOLS) - counter.count(a, TOOLS) for a, b in zip(grown, grown[1:])]
             rows.append({"part": "prompt", "mode": mode, "tokens": tokens, "messages": len(base),
                          "cold_ms": times[0] * 1e3, "per_request_ms": statistics.median(times[1:]) * 1e3,
+                         "per_request_cpu_ms": statistics.median(cpu[1:]) * 1e3,
                          "per_request_ms_all": [round(t * 1e3, 3) for t in times[1:]],
                          "new_tokens_per_request": statistics.median(new)})
         raws = [json.dumps({"model": "m", "messages": m, "tools": TOOLS, "stream": True}).encode() for m in grown[1:]]
-        times = []
+        times, cpu = [], []
         for raw in raws:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             _body_path(raw)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         rows.append({"part": "body", "mode": "request body", "tokens": tokens, "messages": len(base),
-                     "bytes": len(raws[-1]), "per_request_ms": statistics.median(times) * 1e3})
+                     "bytes": len(raws[-1]), "per_request_ms": statistics.median(times) * 1e3,
+                     "per_request_cpu_ms": statistics.median(cpu) * 1e3})
     if new_sizes:  # the largest conversation, one new message of each size
         base = conversation(counter, sizes[-1])
         ctx, policy, log = _context_step(renderer_of(True), window=WINDOW)
@@ -161,10 +166,11 @@ def prompt_rows(renderer_of, sizes: list[int], turns: int, new_sizes: list[int])
             step = turn(rng, 20_000 + n, lines=lines)
             msgs = msgs + step
             new = counter.count(msgs, TOOLS) - counter.count(msgs[:-1], TOOLS)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             ctx.prepare("bench", SessionRef("grow"), msgs, TOOLS, policy, want_ids=True)
             rows.append({"part": "new", "mode": "segments", "tokens": counter.count(msgs, TOOLS),
-                         "new_tokens": new, "per_request_ms": (time.perf_counter() - t0) * 1e3})
+                         "new_tokens": new, "per_request_ms": (time.perf_counter() - t0) * 1e3,
+                         "per_request_cpu_ms": (time.process_time() - c0) * 1e3})
         log.close()
     return rows
 
@@ -345,9 +351,11 @@ def main(argv: list[str] | None = None) -> dict:
     fig = plot(prompt, summary, relay, f"agentkv front: prompt work ({tok_name}) and relay ({model})\n"
                                        f"{machine_line(m)}")
     jpath, ppath = write_results(name, result, fig, args.out)
-    print_table(f"front time per request ({tok_name})", ["part", "mode", "tokens", "new tokens", "cold ms", "ms/request"],
-                [[r["part"], r["mode"], r["tokens"], r.get("new_tokens", r.get("new_tokens_per_request", "")),
-                  r.get("cold_ms", ""), r["per_request_ms"]] for r in prompt], machine_line(m))
+    print_table(f"front time per request ({tok_name})",
+                ["part", "mode", "tokens", "messages", "new tokens", "cold ms", "ms/request", "CPU ms/request"],
+                [[r["part"], r["mode"], r["tokens"], r.get("messages", ""),
+                  r.get("new_tokens", r.get("new_tokens_per_request", "")), r.get("cold_ms", ""), r["per_request_ms"],
+                  r["per_request_cpu_ms"]] for r in prompt], machine_line(m))
     if summary:
         print_table(f"relay through agentkv vs the engine ({model}, {args.tokens} tokens a request)",
                     ["concurrency", "agentkv tok/s", "engine tok/s", "ratio", "TTFT p50 +ms", "goal met"],

@@ -144,7 +144,8 @@ class ContextManager:
         before = self.renderer.count(history, tools)
         run = self._edit(_Run(*self._view(state, messages, engine_form)), state, tools, policy, history, key,
                          window)
-        self.sessions.save(key, state)
+        if run.applied:  # an edit fired and changed the view state (sync saved it unchanged)
+            self.sessions.save(key, state)
         view = run.view
         after = self.renderer.count(view, tools) if view != history else before
         report = {"session_id": session_id, "applied_edits": run.applied,

@@ -147,10 +147,10 @@ class ViewState:
 
 
 def _common(a: list[str], b: list[str]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case (a conversation that grew), compared in C
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
 
 
 def _continues(stored: dict | None, keys: list[str]) -> bool:
