@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from .prompt_segments import (Boundaries, Layout, NotLocal, Segment, SegmentCache, TemplateCheck, check_template,
-                              context, generation_text, segment_text)
+from .prompt_segments import (Boundaries, Layout, NotLocal, RenderText, Segment, SegmentCache, TemplateCheck,
+                              check_template, context, generation_text, memo, segment_text)
 
 Message = dict[str, Any]
 log = logging.getLogger("agentkv.prompt")
@@ -211,21 +211,20 @@ class PromptRenderer:
         keys = self.known.keys(messages)
         tk = self._tools_key(tools)
         base, common = self._cache.longest(tk, keys)
+        render = memo(self._render_full)
         try:
             if base is not None and common == len(keys) == len(base.keys):
                 layout = base
             else:
-                layout = self._extend(base, common, messages, keys, tools, tk)
+                layout = self._extend(base, common, messages, keys, tools, tk, render)
             free = self._tools_free
             gen_key = ("gen", "" if free else tk, *(keys[j] for j in context(len(keys) - 1)), keys[-1])
-            gen = self._segments([gen_key], lambda _: generation_text(self._render_full, messages,
-                                                                       None if free else tools))[0]
+            gen = self._segments([gen_key], lambda _: generation_text(render, messages, None if free else tools))[0]
         except NotLocal as exc:
             log.debug("rendering the whole conversation: %s", exc)
             return None
         if base is None and len(messages) > 1:  # a conversation seen for the first time: check it whole
-            full = self._render_full(messages, tools, True)
-            if full != layout.text + gen.text:
+            if render(messages, tools, True) != layout.text + gen.text:
                 self.not_segmented = "a conversation's segments did not join to its full render"
                 log.warning("the chat template does not render message by message: rendering whole "
                             "conversations from now on")
@@ -247,11 +246,11 @@ class PromptRenderer:
         return out  # type: ignore[return-value]
 
     def _extend(self, base: Layout | None, common: int, messages: list[Message], keys: list[str],
-                tools: list | None, tk: str) -> Layout:
+                tools: list | None, tk: str, render: RenderText) -> Layout:
         n = len(messages)
         free = self._tools_free  # segments after the first rendered without the tool signatures
         seg_keys = [("" if i and free else tk, *(keys[j] for j in context(i)), keys[i]) for i in range(common, n)]
-        new = self._segments(seg_keys, lambda j: segment_text(self._render_full, messages, common + j,
+        new = self._segments(seg_keys, lambda j: segment_text(render, messages, common + j,
                                                               None if common + j and free else tools))
         segments = (base.segments[:common] if base else []) + new
         chars = base.chars[:common] if base else []

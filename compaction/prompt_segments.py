@@ -96,6 +96,19 @@ class Boundaries:
                        for c in self.contents if len(c) > 1)
 
 
+def memo(render: RenderText) -> RenderText:
+    """``render`` remembering its results by the identity of the messages and tools rendered (for
+    one call's reduced contexts, which repeat: the previous message's context is the next one's)."""
+    done: dict[tuple, str] = {}
+
+    def cached(msgs: list[Message], tools, gen: bool) -> str:
+        k = (tuple(map(id, msgs)), id(tools) if tools else None, gen)
+        if k not in done:
+            done[k] = render(msgs, tools, gen)
+        return done[k]
+    return cached
+
+
 def context(i: int) -> list[int]:
     """The indices of the reduced context segment ``i`` is rendered after: the first message and
     the previous one, with the one before that where it keeps the previous message at an index of
@@ -163,14 +176,7 @@ def check_template(render: RenderText, template: Any) -> TemplateCheck:
     source = template if isinstance(template, str) else str(template or "")
     if any(c in source for c in CLOCK):
         return TemplateCheck("the template reads the clock")
-    cache: dict[tuple, str] = {}
-
-    def full(msgs: list[Message], tools, gen: bool) -> str:
-        k = (tuple(map(id, msgs)), tools is not None, gen)
-        if k not in cache:
-            cache[k] = render(msgs, tools, gen)
-        return cache[k]
-
+    full = memo(render)
     checked, tools_free = 0, True
     user, assistant = PROBE_KINDS[1], PROBE_KINDS[3]
     for start in ([PROBE_KINDS[0], user, assistant], [user, assistant, user]):
