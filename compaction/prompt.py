@@ -264,8 +264,10 @@ class PromptRenderer:
             if i and first_unclean == n and not self._edges.clean(segments[i - 1].text, s):
                 first_unclean = i
         layout = Layout(tk, keys, segments, chars, ends, first_unclean)
-        if base is not None and base.ids is not None:
-            layout.ids = base.ids[:base.ends[common - 1] if common else 0] + [x for s in new for x in s.ids]
+        base_ids = base.ids if base is not None else None
+        if base_ids is not None:
+            self._cache.keep_ids(layout, base_ids[:base.ends[common - 1] if common else 0] +
+                                 [x for s in new for x in s.ids])
         self._cache.put_layout(layout, base if base is not None and common == len(base.keys) else None)
         return layout
 
@@ -294,11 +296,12 @@ class PromptRenderer:
         if p is not None:
             layout, gen = p
             if layout.first_unclean == len(layout.keys) and self._edges.clean(layout.segments[-1].text, gen):
-                if layout.ids is None:
-                    layout.ids = [x for s in layout.segments for x in s.ids]
+                ids = layout.ids
+                if ids is None:
+                    ids = [x for s in layout.segments for x in s.ids]
+                    self._cache.keep_ids(layout, ids)
                 ends = layout.ends
-                return RenderedPrompt(layout.text + gen.text, layout.ids + gen.ids.tolist(),
-                                      list(zip([0] + ends[:-1], ends)))
+                return RenderedPrompt(layout.text + gen.text, ids + gen.ids.tolist(), list(zip([0] + ends[:-1], ends)))
             return self._tokenize(layout.text + gen.text, layout.chars)
         return self._tokenize(self._render_full(messages, tools, True), self.char_bounds(messages, tools))
 

@@ -220,13 +220,32 @@ class SegmentCache:
     conversations by (tools, first message), each bounded (least recently used first out).
     Thread-safe: the structures change under a lock; rendering and tokenizing happen outside it."""
 
-    def __init__(self, max_segments: int = 65536, max_tokens: int = 8_000_000, max_layouts: int = 512):
+    def __init__(self, max_segments: int = 65536, max_tokens: int = 8_000_000, max_layouts: int = 512,
+                 max_id_tokens: int = 4_000_000):
         self.max_segments, self.max_tokens, self.max_layouts = max_segments, max_tokens, max_layouts
+        self.max_id_tokens = max_id_tokens  # joined id lists kept (a list costs ~36 bytes a token)
         self._segments: OrderedDict[tuple, Segment] = OrderedDict()
         self._tokens = 0
         self._layouts: OrderedDict[tuple[str, str], list[Layout]] = OrderedDict()
         self._n_layouts = 0
+        self._with_ids: OrderedDict[int, Layout] = OrderedDict()
+        self._id_tokens = 0
         self._lock = threading.Lock()
+
+    def keep_ids(self, layout: Layout, ids: list[int]) -> None:
+        """Give ``layout`` its joined ids; the least recently given lose theirs past the budget
+        (they are joined again from the segments when asked for)."""
+        with self._lock:
+            if layout.ids is None:
+                self._id_tokens += len(ids)
+            else:
+                self._with_ids.move_to_end(id(layout))
+            layout.ids = ids
+            self._with_ids[id(layout)] = layout
+            while self._id_tokens > self.max_id_tokens and len(self._with_ids) > 1:
+                _, old = self._with_ids.popitem(last=False)
+                self._id_tokens -= len(old.ids or ())
+                old.ids = None
 
     def segment(self, key: tuple) -> Segment | None:
         with self._lock:
@@ -272,15 +291,21 @@ class SegmentCache:
         k = (layout.tools_key, layout.keys[0])
         with self._lock:
             group = self._layouts.setdefault(k, [])
-            if replaces is not None and replaces in group:
+            if replaces is not None and any(x is replaces for x in group):
                 group.remove(replaces)
-                self._n_layouts -= 1
+                self._drop(replaces)
             group.insert(0, layout)
             self._n_layouts += 1
             self._layouts.move_to_end(k)
             while len(group) > 16:
-                group.pop()
-                self._n_layouts -= 1
+                self._drop(group.pop())
             while self._n_layouts > self.max_layouts:
-                _, old = self._layouts.popitem(last=False)
-                self._n_layouts -= len(old)
+                for old in self._layouts.popitem(last=False)[1]:
+                    self._drop(old)
+
+    def _drop(self, layout: Layout) -> None:
+        """A layout forgotten (under the lock): its joined ids go with it."""
+        self._n_layouts -= 1
+        if self._with_ids.pop(id(layout), None) is not None:
+            self._id_tokens -= len(layout.ids or ())
+            layout.ids = None

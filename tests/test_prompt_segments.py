@@ -198,10 +198,16 @@ def test_the_cache_is_bounded(tiny_model_dir):
     from agentkv.compaction.prompt_segments import SegmentCache
 
     r = PromptRenderer.from_pretrained(str(tiny_model_dir))
-    r._cache = SegmentCache(max_segments=10, max_tokens=10_000, max_layouts=3)
+    r._cache = SegmentCache(max_segments=10, max_tokens=10_000, max_layouts=3, max_id_tokens=100)
     r.known = KnownMessages(max_lists=3)
+    whole = PromptRenderer(r.tokenizer, segments=False)
     base = [{"role": "system", "content": "s"}]
     for k in range(8):
         msgs = base + [{"role": "user", "content": f"conversation {k} turn {t}"} for t in range(4)]
-        assert r.count(msgs) == PromptRenderer(r.tokenizer, segments=False).count(copy.deepcopy(msgs))
-    assert len(r._cache._segments) <= 10 and r._cache._n_layouts <= 3 and r.known._n <= 3
+        assert r.count(msgs) == whole.count(copy.deepcopy(msgs))
+        assert r.render(msgs) == whole.render(msgs)
+    cache = r._cache
+    assert len(cache._segments) <= 10 and cache._n_layouts <= 3 and r.known._n <= 3
+    held = [x for g in cache._layouts.values() for x in g if x.ids is not None]
+    assert sorted(map(id, held)) == sorted(cache._with_ids) and cache._id_tokens == sum(len(x.ids) for x in held)
+    assert cache._id_tokens <= 100 or len(held) == 1
