@@ -149,9 +149,11 @@ class EngineStream:
         done = False
         try:
             async for data in sse_data(self._resp):
+                if done:  # nothing follows [DONE]; read on to the end so the connection is reused
+                    continue
                 if data == b"[DONE]":
                     done = True
-                    break
+                    continue
                 chunk = decode_json(data)
                 if "error" in chunk and not chunk.get("choices"):
                     yield chunk, data
