@@ -125,6 +125,10 @@ LAST_QUERY = (  # Qwen3: reasoning shown only after the last user message
     "{%- if m.role == 'assistant' and m.reasoning_content and loop.index0 > ns.last -%}"
     "<think>{{ m.reasoning_content }}</think>{%- endif -%}{{ m.content }}<|im_end|>\n{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+LATER_HEADER = (  # the header depends on later messages (tool instructions once any message calls a tool)
+    "{%- if messages | selectattr('tool_calls') | list -%}<|im_start|>system\nTools were called.<|im_end|>\n"
+    "{%- endif -%}{%- for m in messages -%}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
 CLOCK = "<|im_start|>system\n{{ strftime_now('%d %b %Y') }}<|im_end|>\n{%- for m in messages -%}{{ m.content }}{%- endfor -%}"
 PLAIN = (  # no special token between messages: segments are text, their tokens must be joined by tokenizing
     "{%- for m in messages -%}{{ m.role }}: {{ m.content }}\n{%- endfor -%}"
@@ -145,6 +149,7 @@ def _with_template(tiny_model_dir, template: str, **kw) -> PromptRenderer:
 
 @pytest.mark.parametrize("template, why", [(GROUPED_TOOLS, "re-renders|does not render on its own"),
                                            (LAST_QUERY, "re-renders|does not render on its own"),
+                                           (LATER_HEADER, "re-renders|does not render on its own"),
                                            (CLOCK, "reads the clock")])
 def test_templates_that_rerender_earlier_messages_are_rendered_whole(tiny_model_dir, template, why):
     r = _with_template(tiny_model_dir, template)
