@@ -2,8 +2,9 @@
 (recompute, shift, blend), tokens recomputed, and fidelity against recompute (KL divergence of the
 next-token distribution over the top logprobs, top-1 agreement, greedy-continuation match length).
 
-Starts its own server with the KV connector (``--kv-reuse shift``) unless ``--url`` is given.
-Usage: ``agentkv bench clear-vs-recompute [--quick] [--layers N] [--contexts ...]``.
+Starts its own server with the KV connector (``--kv-reuse shift``, the default model
+SmolLM2-135M-Instruct unless ``--model``) unless ``--url`` is given.
+Usage: ``agentkv bench clear-vs-recompute [--quick] [--model NAME] [--contexts ...]``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 import uuid
 
 
+from ..server.embedded_model.names import DEFAULT_MODEL
 from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, write_results, pyplot
 
 MODES = ("recompute", "shift", "blend")
@@ -137,33 +139,27 @@ def plot(rows: list[dict], title: str):
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="agentkv bench clear-vs-recompute", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="two small contexts (smoke test)")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 24000])
-    ap.add_argument("--layers", type=int, default=2, help="embedded model layers when starting a server")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 7000],
+                    help="prompt sizes before clearing (default fits SmolLM2's 8192-token window)")
+    ap.add_argument("--model", default=DEFAULT_MODEL,
+                    help=f"model of the server started for the run (default: {DEFAULT_MODEL}; agentkv-tiny-1l: "
+                         "the exactness model)")
     ap.add_argument("--max-tokens", type=int, default=16, help="greedy continuation length compared")
     add_endpoint_args(ap)
     args = ap.parse_args(argv)
     contexts = [1024, 2048] if args.quick else args.contexts
-    serve_args: tuple[str, ...] = ()
-    if args.url is None:
-        from pathlib import Path
-
-        from ..server.embedded_model import TinyModelSpec, build_model
-        from ..server.supervisor import embedded_model_dir
-
-        spec = TinyModelSpec(layers=args.layers)
-        model_dir = build_model(embedded_model_dir(spec), spec)
-        serve_args = ("--model", str(Path(model_dir)), "--served-model-name", "agentkv-tiny",
-                      "--kv-reuse", "shift")
+    serve_args = () if args.url else ("--model", args.model, "--kv-reuse", "shift")
     with Endpoint(args.url, args.api_key, serve_args) as ep:
+        model = ep.model()["id"]
         rows = run(ep, contexts, 4 if args.quick else args.max_tokens)
     m = machine()
     largest = max(r["context"] for r in rows)
     at = {r["mode"]: r for r in rows if r["context"] == largest}
-    result = {"machine": m, "model": "agentkv-tiny", "layers": args.layers, "rows": rows,
+    result = {"machine": m, "model": model, "rows": rows,
               "speedup_shift_vs_recompute_at_largest": at["recompute"]["ttft_s"] / at["shift"]["ttft_s"]}
     name = "clear-vs-recompute" + ("-quick" if args.quick else "")
-    jpath, ppath = write_results(name, result, plot(rows, f"clearing vs recompute, {args.layers}-layer "
-                                                          f"embedded model\n{machine_line(m)}"), args.out)
+    jpath, ppath = write_results(name, result, plot(rows, f"clearing vs recompute, {model}\n{machine_line(m)}"),
+                                 args.out)
     print_table("TTFT after clearing", ["prompt", "mode", "TTFT s", "recomputed", "KL(top)", "top-1", "greedy match"],
                 [[r["context"], r["mode"], r["ttft_s"], r["recomputed_tokens"], r["kl_top"], r["top1_agree"],
                   f"{r['greedy_match']}/{r['greedy_len']}"] for r in rows], machine_line(m))

@@ -71,7 +71,7 @@ def plot(rows: list[dict], title: str):
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="agentkv bench decode-throughput", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="two small contexts, batch 1 and 2 (smoke test)")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192, 16384])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096, 8000])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--tokens", type=int, default=32, help="decoded tokens per request")
     add_endpoint_args(ap)

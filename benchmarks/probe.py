@@ -1,6 +1,8 @@
 """Summary probe (the second seed's test): documents with planted headline and obscure facts are
 read, the session is compacted with the default and with guided instructions, and each fact is
-asked from the summary alone. Per fact: kept in the summary text, and answered correctly.
+asked from the summary alone. Per fact: kept in the summary text, and answered correctly. The
+baseline (``full documents``) asks the same questions with the documents themselves in context:
+what the model can answer at all, which the summaries are measured against.
 
 Usage: ``agentkv bench probe [--quick] [--url URL]``.
 """
@@ -29,7 +31,7 @@ def documents(seed: int, n: int, filler: int) -> list[dict]:
         topic = TOPICS[i % len(TOPICS)]
         headline = ("budget", f"{rng.randint(10, 99)}k EUR")
         obscure = ("backup window", f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d} UTC")
-        body = [f"{topic.title()} report. The {headline[0]} is {headline[1]}."]
+        body = [f"{topic.title()} report. The {headline[0]} for the {topic} is {headline[1]}."]
         body += [f"Paragraph {j}: the team reviewed the {topic} plan and agreed to continue." for j in range(filler)]
         body.insert(rng.randrange(2, len(body)), f"Note: the {obscure[0]} for {topic} is {obscure[1]}.")
         docs.append({"topic": topic, "text": "\n".join(body),
@@ -50,22 +52,26 @@ def session(docs: list[dict]) -> list[dict]:
 
 
 def probe(client, model: str, renderer: PromptRenderer, docs: list[dict], instructions: str | None,
-          max_tokens: int) -> list[dict]:
-    note_client = OpenAIModelClient(client, model)
-    r = summarize(session(docs), renderer, Compact(trigger=0, keep_recent_tokens=0,
-                                                   summary_max_tokens=max_tokens, instructions=instructions),
-                  note_client)
-    summary = r.messages[1]["content"]
+          max_tokens: int, baseline: bool = False) -> list[dict]:
+    """Ask every fact from the summary (or, ``baseline``, from the whole session)."""
+    if baseline:
+        context, summary = session(docs), None
+    else:
+        r = summarize(session(docs), renderer, Compact(trigger=0, keep_recent_tokens=0,
+                                                       summary_max_tokens=max_tokens, instructions=instructions),
+                      OpenAIModelClient(client, model))
+        summary = r.messages[1]["content"]
+        context = [r.messages[0], {"role": "user", "content": summary}]
     out = []
     for d in docs:
         for f in d["facts"]:
             q = f"What is the {f['name']} for the {d['topic']}? Reply with the value only, or 'not sure'."
-            ans = client.chat.completions.create(model=model, temperature=0, max_tokens=16, messages=[
-                r.messages[0], {"role": "user", "content": summary}, {"role": "user", "content": q}])
+            ans = client.chat.completions.create(model=model, temperature=0, max_tokens=24,
+                                                 messages=context + [{"role": "user", "content": q}])
             text = ans.choices[0].message.content or ""
             out.append({"topic": d["topic"], "kind": f["kind"], "fact": f["name"], "expected": f["value"],
-                        "kept_in_summary": f["value"] in summary, "answer": text,
-                        "outcome": score(text, f["value"])})
+                        "kept_in_summary": f["value"] in summary if summary is not None else None,
+                        "answer": text, "outcome": score(text, f["value"])})
     return out
 
 
@@ -100,10 +106,12 @@ def main(argv: list[str] | None = None) -> dict:
         renderer = PromptRenderer.from_pretrained(args.tokenizer or info.get("root") or model)
         client = OpenAI(base_url=f"{ep.url}/v1", api_key=ep.api_key or "none", max_retries=0, timeout=900)
         docs = documents(args.seed, n, filler)
-        facts = {name: probe(client, model, renderer, docs, instr, note_tokens)
-                 for name, instr in (("default", None), ("guided", GUIDED))}
+        facts = {"full documents": probe(client, model, renderer, docs, None, note_tokens, baseline=True)}
+        facts |= {name: probe(client, model, renderer, docs, instr, note_tokens)
+                  for name, instr in (("default", None), ("guided", GUIDED))}
     rows = [{"instructions": name, "kind": kind, "facts": len(fs),
-             "kept": sum(f["kept_in_summary"] for f in fs), "correct": sum(f["outcome"] == "correct" for f in fs)}
+             "kept": sum(bool(f["kept_in_summary"]) for f in fs) if name != "full documents" else len(fs),
+             "correct": sum(f["outcome"] == "correct" for f in fs)}
             for name, all_facts in facts.items() for kind in ("headline", "obscure")
             for fs in [[f for f in all_facts if f["kind"] == kind]]]
     m = machine()

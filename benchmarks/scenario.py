@@ -1,11 +1,13 @@
-"""The first seed's delayed-recall session, generated from a seed: six service reports, each
-hiding five facts (port, timeout, error code, owner, region) among noise lines; the script is
-deleted; questions come right away, after 3 and after 6 more turns of reading logs.
+"""The first seed's delayed-recall session, generated from a seed: four service reports, each
+hiding three facts (port, timeout, owner) among noise lines; the script is deleted; questions come
+right away, after 3 and after 6 more turns of reading logs.
 
-Sized for a small real model (SmolLM2-135M, 8192-token window): each fact line names its service
-(``media timeout_ms = 1653``), a question uses the fact's own key, and the reports are short (5 noise
-lines by default) while the logs read afterwards are long (45 lines), so the session grows past
-the clearing trigger before the last questions."""
+Sized for a small real model (SmolLM2-135M, 8192-token window), made easy enough that the model
+answers most questions right after reading (measured on 4 seeds: 16/18 with 4 services x 3 facts
+against 9/24 with the original 6 x 5): a fact is a sentence the answer can copy ("The
+timeout_ms of the media service is 1653."), the question uses the fact's own key, the reports are
+short (5 noise lines) while the logs read afterwards are long (45 lines), so the session grows
+past the clearing trigger before the last questions."""
 
 from __future__ import annotations
 
@@ -13,10 +15,9 @@ import json
 import random
 from dataclasses import dataclass
 
-SERVICES = ("auth", "media", "billing", "search", "gateway", "storage")
+SERVICES = ("auth", "media", "billing", "search")
 OWNERS = ("dana", "ravi", "mei", "oskar", "lena", "tomas", "ines", "yuki")
-REGIONS = ("eu-west-1", "us-east-2", "ap-south-1", "sa-east-1", "eu-north-1", "us-west-2")
-FACTS = ("port", "timeout_ms", "error_code", "owner", "region")
+FACTS = ("port", "timeout_ms", "owner")
 SYSTEM = ("You are an agent working in a repository. Answer questions about earlier tool outputs "
           "with the exact value. If you are not sure, say 'not sure'.")
 SYSTEM_RECALL = SYSTEM + (" Earlier outputs may have been cleared from your context: call the recall "
@@ -37,15 +38,14 @@ class Question:
 
 def facts_for(rng: random.Random) -> dict[str, dict[str, str]]:
     return {svc: {"port": str(rng.randint(1024, 65535)), "timeout_ms": str(rng.randint(100, 9999)),
-                  "error_code": f"E{rng.randint(1000, 9999)}",
-                  "owner": rng.choice(OWNERS), "region": rng.choice(REGIONS)} for svc in SERVICES}
+                  "owner": rng.choice(OWNERS)} for svc in SERVICES}
 
 
 def report(rng: random.Random, service: str, facts: dict[str, str], noise_lines: int = 90) -> str:
     lines = [f"{service} probe {i}: status=ok latency_ms={rng.randint(1, 400)} "
              f"req={rng.randint(10_000, 99_999)}" for i in range(noise_lines)]
     for k, v in facts.items():
-        lines.insert(rng.randrange(len(lines)), f"{service} {k} = {v}")
+        lines.insert(rng.randrange(len(lines)), f"The {k} of the {service} service is {v}.")
     return f"== diagnostics: {service} ==\n" + "\n".join(lines)
 
 

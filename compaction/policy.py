@@ -40,18 +40,15 @@ def default_policy(window: int, clear_at: float = 0.5, compact_at: float = 0.75)
     ])
 
 
-_ORDER = (ClearThinking, ClearToolUses, Compact)
-
-
 def with_defaults(requested: ContextManagement | None, default: ContextManagement | None) -> ContextManagement | None:
     """The policy a request runs. No ``context_management``: the server default. ``{"edits": []}``:
-    no management. Otherwise the request's edits, plus the default's edits of the kinds it does not
-    name (Claude Code sends ``clear_thinking`` alone on every request; that must not switch off the
-    server's clearing and summaries), in the order thinking, clearing, compaction."""
+    no management. Edits that name clearing or compaction: exactly those. Edits that name neither
+    (Claude Code sends ``clear_thinking`` alone on every request): those, then the server default's
+    clearing and compaction, so asking for one unrelated edit does not switch the default off."""
     if requested is None:
         return default
     if not requested.edits or default is None:
         return requested
-    named = {type(e) for e in requested.edits}
-    edits = list(requested.edits) + [e for e in default.edits if type(e) not in named]
-    return ContextManagement(edits=sorted(edits, key=lambda e: _ORDER.index(type(e))))
+    if any(isinstance(e, (ClearToolUses, Compact)) for e in requested.edits):
+        return requested
+    return ContextManagement(edits=list(requested.edits) + list(default.edits))

@@ -142,6 +142,28 @@ class SessionLog(ABC):
         rows = self._execute("SELECT kind, text FROM notes WHERE session=? ORDER BY id", (session,))
         return [tuple(r) for r in rows]
 
+    # -- stored responses (the Responses API's `store: true`) --------------------------------
+    def put_response(self, response_id: str, session: str, parent: str | None, turn: list[Message],
+                     response: dict) -> None:
+        """Keep a response: ``turn`` holds the messages it added to its conversation (its new input,
+        then its output), ``parent`` the response it continued; a chain of them is the conversation."""
+        self._execute("INSERT INTO responses (id, session, parent, turn, response, created) VALUES (?, ?, ?, ?, ?, ?)",
+                      (response_id, session, parent, json.dumps(turn), json.dumps(response), time.time()))
+
+    def get_response(self, response_id: str) -> tuple[str, dict] | None:
+        """(session, the response object) of a stored response."""
+        rows = self._execute("SELECT session, response FROM responses WHERE id=?", (response_id,))
+        return (rows[0][0], json.loads(rows[0][1])) if rows else None
+
+    def response_conversation(self, response_id: str) -> list[Message]:
+        """The conversation through a stored response: the turns of its chain, oldest first (one query)."""
+        rows = self._execute(
+            "WITH RECURSIVE chain(id, parent, turn, depth) AS ("
+            " SELECT id, parent, turn, 0 FROM responses WHERE id = ?"
+            " UNION ALL SELECT r.id, r.parent, r.turn, c.depth + 1 FROM responses r JOIN chain c ON r.id = c.parent"
+            ") SELECT turn FROM chain ORDER BY depth DESC", (response_id,))
+        return [m for (turn,) in rows for m in json.loads(turn)]
+
 
 def _states_like(run: Callable, session: str) -> dict[str, dict]:
     rows = run("SELECT session, state FROM views WHERE session = ? OR session LIKE ?",

@@ -38,6 +38,10 @@ CREATE TABLE IF NOT EXISTS notes (
 );
 CREATE INDEX IF NOT EXISTS notes_session ON notes (session);
 CREATE TABLE IF NOT EXISTS views (session TEXT PRIMARY KEY, state TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY, session TEXT NOT NULL, parent TEXT, turn TEXT NOT NULL, response TEXT NOT NULL,
+    created DOUBLE PRECISION NOT NULL
+);
 """
 MAX_TERMS_CHARS = 256 * 1024
 SCHEMA_LOCK = 0x6167656E746B76  # "agentkv": replicas starting together create the schema once

@@ -31,6 +31,10 @@ CREATE TABLE IF NOT EXISTS notes (
 CREATE TABLE IF NOT EXISTS views (            -- per-session state of the compacted view (JSON)
     session TEXT PRIMARY KEY, state TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS responses (        -- Responses API, store: true (see SessionLog.put_response)
+    id TEXT PRIMARY KEY, session TEXT NOT NULL, parent TEXT, turn TEXT NOT NULL, response TEXT NOT NULL,
+    created REAL NOT NULL
+);
 CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts
     USING fts5(body, call, content='messages', content_rowid='id', tokenize='unicode61');
 CREATE TRIGGER IF NOT EXISTS messages_ai AFTER INSERT ON messages BEGIN

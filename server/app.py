@@ -17,6 +17,7 @@ from .limits import BodyLimit
 from .metrics import RequestMetrics, render
 from .routes_anthropic import router as anthropic_router
 from .routes_openai import router as openai_router
+from .routes_responses import router as responses_router
 from .routes_sessions import router as sessions_router
 from .sessions import Sessions
 from .supervisor import EngineState, Supervisor
@@ -41,6 +42,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app.add_middleware(RequestMetrics)
     app.include_router(openai_router)
     app.include_router(anthropic_router)
+    app.include_router(responses_router)
     app.include_router(sessions_router)
 
     @app.get("/health")

@@ -117,6 +117,7 @@ BENCHMARKS = {
     "clear-vs-recompute": "agentkv.benchmarks.clear_vs_recompute",
     "load": "agentkv.benchmarks.load",
     "front": "agentkv.benchmarks.front",
+    "report": "agentkv.benchmarks.report",
 }
 
 

@@ -25,6 +25,8 @@ from .errors import error_body
 from .proxy import EngineClient, decode_json, encode_json, json_of, unavailable, unavailable_message
 
 PATH = "/v1/chat/completions"
+
+
 class ToolRunner:
     """Executes server tool calls against one session and logs the exchange (append-only)."""
 

@@ -54,7 +54,7 @@ def _metadata_session(headers: Mapping, body: Mapping) -> str | None:
 # fields must be valid ids (400 otherwise); a client's id that is not is hashed into one.
 SOURCES: tuple[tuple[str, Callable[[Mapping, Mapping], Any], bool], ...] = (
     ("x-session-id", _header("x-session-id"), True),
-    ("session_id", lambda h, b: b.get("session_id"), True),
+    ("session_id", lambda h, b: b.get("session_id") or h.get("session_id"), True),  # body; pi: a header
     ("x-claude-code-session-id", _header("x-claude-code-session-id"), False),
     ("session-id", _header("session-id"), False),
     ("thread-id", _header("thread-id"), False),

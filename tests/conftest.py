@@ -11,7 +11,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import contextlib
-import json
 import signal
 import socket
 import subprocess
@@ -189,22 +188,6 @@ def log_target(request, tmp_path) -> str:
     return request.getfixturevalue("postgres_db")
 
 
-def end_answers(model_dir: Path, eos_weight: float = 3.5) -> None:
-    """Random weights almost never emit the end-of-turn token (about 4e-4 a step), so every answer
-    runs to ``max_tokens``, which Claude Code reports as an error ("response exceeded the output
-    token maximum"). Give every token embedding a constant component and the end-of-turn row of the
-    output layer a weight on it: the end of the turn then has about 0.1-0.2 probability a step and
-    answers end after a few tokens, as a chat model's do. Everything else stays random."""
-    from safetensors.torch import load_file, save_file
-
-    eos = json.loads((model_dir / "config.json").read_text())["eos_token_id"]
-    path = model_dir / "model.safetensors"
-    weights = load_file(path)
-    weights["model.embed_tokens.weight"][:, 0] += 1.0
-    weights["lm_head.weight"][eos, 0] = eos_weight
-    save_file(weights, path, metadata={"format": "pt"})
-
-
 @pytest.fixture(scope="session")
 def real_server(tmp_path_factory) -> Server:
     """`agentkv serve` with no model flag: the default, SmolLM2-135M-Instruct (8192-token window).
@@ -218,12 +201,11 @@ def real_server(tmp_path_factory) -> Server:
 def wide_server(tmp_path_factory) -> Server:
     """The tiny model with a 200k window, for the real agent harnesses (Claude Code's first request
     is ~40k tokens with the tiny tokenizer and it assumes a 200k window; Codex assumes 258k); its
-    answers end by themselves (``end_answers``)."""
+    answers end by themselves (``TinyModelSpec.eos_weight``)."""
     from agentkv.server.embedded_model import TinyModelSpec, build_model
 
     home = tmp_path_factory.mktemp("agentkv-wide")
-    model = build_model(home / "tiny-wide", TinyModelSpec(max_position_embeddings=262144))
-    end_answers(model)
+    model = build_model(home / "tiny-wide", TinyModelSpec(max_position_embeddings=262144, eos_weight=3.5))
     srv = start_server(home, "--model", str(model), "--served-model-name", "agentkv-tiny",
                        "--max-model-len", "200000")
     yield srv

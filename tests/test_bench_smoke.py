@@ -28,9 +28,14 @@ def test_quick_benchmark_writes_results(server, tmp_path, name):
             assert 0 < r["ttft_s_mean"] < r["wall_s"]
     elif name == "delayed-recall":
         assert sum(r["answers"] for r in result["rows"]) == 4 * 12
-        assert all(r["correct"] + r["invented"] + r["not_sure"] == r["answers"] for r in result["rows"])
+        assert all(r["correct"] + r["invented"] + r["not_sure"] + r["overflow"] == r["answers"]
+                   for r in result["rows"])
+        assert result["window"] == 2048                       # --quick: triggers of a 2k window
+        assert all(r["asked_by_phase"] == {"0": 4, "1": 4, "2": 4} for r in result["rows"])   # JSON keys
     else:
-        assert {r["instructions"] for r in result["rows"]} == {"default", "guided"}
+        assert [r["instructions"] for r in result["rows"]] == ["full documents"] * 2 + ["default"] * 2 + ["guided"] * 2
+        assert all(r["facts"] == 2 for r in result["rows"])       # two documents, one fact of each kind
+        assert all(f["kept_in_summary"] is None for f in result["facts"]["full documents"])
 
 
 def test_quick_front_benchmark_writes_results(server, tmp_path):

@@ -40,5 +40,6 @@ def test_scenario_is_seeded_and_plants_every_asked_fact():
     assert len(a.questions) == 12 and {q.phase for q in a.questions} == {0, 1, 2}
     reports = {SERVICES[i]: a.opening[3 + 2 * i]["content"] for i in range(len(SERVICES))}
     for q in a.questions:
-        assert q.fact in FACTS and f"{q.fact} = {q.answer}" in reports[q.service]
-    assert all(90 <= len(r.splitlines()) <= 100 for r in reports.values())
+        assert q.fact in FACTS and f"The {q.fact} of the {q.service} service is {q.answer}." in reports[q.service]
+    assert all(len(r.splitlines()) == 1 + 5 + len(FACTS) for r in reports.values())   # header, noise, facts
+    assert all(len(turn[1]["content"].splitlines()) == 45 for turn in a.reading_turns)

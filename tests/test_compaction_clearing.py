@@ -129,7 +129,7 @@ def test_count_equals_full_tokenization(renderer):
     assert renderer.count(msgs, TOOLS) == len(renderer.render(msgs, TOOLS).token_ids)
 
 
-def test_a_request_policy_keeps_the_default_edits_of_kinds_it_does_not_name():
+def test_a_request_naming_no_size_edit_keeps_the_default_clearing_and_compaction():
     from agentkv.compaction.config import ClearThinking, Compact
     from agentkv.compaction.policy import ContextManagement, default_policy, with_defaults
 
@@ -141,9 +141,9 @@ def test_a_request_policy_keeps_the_default_edits_of_kinds_it_does_not_name():
     merged = with_defaults(claude, default)
     assert [type(e) for e in merged.edits] == [ClearThinking, ClearToolUses, Compact]
     assert merged.edits[1:] == default.edits
-    own = ContextManagement.model_validate({"edits": [{"type": "compact", "trigger": 100},
-                                                      {"type": "clear_thinking"}][::-1]})
-    merged = with_defaults(own, default)
-    assert [type(e) for e in merged.edits] == [ClearThinking, ClearToolUses, Compact]
-    assert merged.edits[2].trigger == 100 and merged.edits[1] == default.edits[0]   # the request's compact
+    only_clear = ContextManagement.model_validate({"edits": [{"type": "clear_thinking"},
+                                                             {"type": "clear_tool_uses", "trigger": 100}]})
+    assert with_defaults(only_clear, default) == only_clear             # names clearing: exactly that
+    only_compact = ContextManagement.model_validate({"edits": [{"type": "compact", "trigger": 100}]})
+    assert with_defaults(only_compact, default) == only_compact
     assert with_defaults(claude, None) == claude                        # --no-context-management

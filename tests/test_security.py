@@ -82,11 +82,13 @@ DB_PASSWORD = "pw-S3cr3t-9931"
 LOOSE_UMASK = 0o022  # the usual default: files 0644, folders 0755
 
 
-def _cli(*args: str, env: dict[str, str], umask: int = LOOSE_UMASK) -> subprocess.CompletedProcess:
-    """`agentkv ...` in a subprocess started with ``umask`` (what a caller's shell would have)."""
+def _cli(*args: str, env: dict[str, str], umask: int = LOOSE_UMASK, inherit: bool = True) -> subprocess.CompletedProcess:
+    """`agentkv ...` in a subprocess started with ``umask`` (what a caller's shell would have);
+    ``env`` adds to this process's environment, or replaces it with ``inherit=False``."""
     old = os.umask(umask)
     try:
-        return subprocess.run([sys.executable, "-m", "agentkv.server.cli", *args], env=dict(os.environ, **env),
+        return subprocess.run([sys.executable, "-m", "agentkv.server.cli", *args],
+                              env=dict(os.environ, **env) if inherit else env,
                               capture_output=True, text=True, timeout=300)
     finally:
         os.umask(old)
@@ -162,7 +164,8 @@ def test_file_in_home_owned_by_another_user_is_a_cli_error(tmp_path):
 
 def test_model_build_is_private_whatever_the_umask(tmp_path):
     home = tmp_path / "fresh" / "home"
-    r = _cli("model", "build", env={"AGENTKV_HOME": str(home)})
+    env = {k: v for k, v in os.environ.items() if k != "AGENTKV_MODELS"}   # the default: $AGENTKV_HOME/models
+    r = _cli("model", "build", "agentkv-tiny-2l", env=dict(env, AGENTKV_HOME=str(home)), inherit=False)
     assert r.returncode == 0, r.stderr
     assert Path(r.stdout.strip()) == home / "models" / "agentkv-tiny-2l"
     assert len(_modes(home)) == 11  # home, models, the model folder, its 8 files

@@ -31,6 +31,7 @@ def test_precedence_first_present_wins():
              if names.index("metadata.user_id" if k == "metadata" else k) >= names.index(name)}
         assert session_ref(h, b) == SessionRef(expected[name], name)
     assert session_ref({}, {}) == SessionRef(None, "derived")
+    assert session_ref({"session_id": "pi-1", "session-id": "codex"}, {}) == SessionRef("pi-1", "session_id")
 
 
 def test_metadata_user_id_forms_and_foreign_ids_hashed():

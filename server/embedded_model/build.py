@@ -30,6 +30,11 @@ class TinyModelSpec:
     rope_theta: float = 10000.0
     initializer_range: float = 0.08
     seed: int = 1234
+    # Random weights almost never emit the end-of-turn token (about 4e-4 a step), so every answer
+    # runs to max_tokens, which agent clients report as an error. With eos_weight > 0 every token
+    # embedding gets a constant component and the end-of-turn row of the output layer a weight on
+    # it: the turn then ends with about 0.1-0.2 probability a step (3.5), as a chat model's do.
+    eos_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.layers < 1:
@@ -66,6 +71,10 @@ def _write(spec: TinyModelSpec, out: Path) -> None:
     )
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config).eval()
+    if spec.eos_weight:
+        with torch.no_grad():
+            model.model.embed_tokens.weight[:, 0] += 1.0
+            model.lm_head.weight[config.eos_token_id, 0] = spec.eos_weight
     model.generation_config.do_sample = False
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

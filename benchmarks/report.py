@@ -1,0 +1,144 @@
+"""README's result sections, rendered from the JSON files under ``benchmarks/results/``: every row,
+as measured, with the machine and date, so README and the files cannot disagree (a test checks).
+
+``agentkv bench report`` rewrites each block between ``<!-- results: NAME -->`` and
+``<!-- /results: NAME -->`` in README.md from ``NAME.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from .harness import RESULTS, machine_line
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BLOCK = re.compile(r"(<!-- results: ([\w.-]+) -->\n)(.*?)(<!-- /results: \2 -->)", re.S)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    if v is None:
+        return "-"
+    return str(v)
+
+
+def table(columns: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    out += ["| " + " | ".join(_fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _kernel(r: dict) -> str:
+    return table(["retained tokens", "layers", "backend", "seconds", "GB/s"],
+                 [[x["retained_tokens"], x["layers"], x["backend"], x["seconds"], x["gb_per_s"]] for x in r["rows"]])
+
+
+def _kv_memory(r: dict) -> str:
+    meas, served = r["measured"], r["served_model"]
+    head = (f"Served `{r['model']}`: **{meas['bytes_per_token']:.0f} B/token measured** from vLLM's allocation "
+            f"({meas['allocated_bytes']:,} bytes for {meas['num_blocks']:,} blocks x {meas['block_size']} tokens, "
+            f"{meas['dtype']}); the formula gives {served['formula_bytes_per_token']} B/token.\n\n")
+    configs = table(["model (config)", "KV dtype", "KiB/token", f"GiB at {r['configs'][0]['context']} tokens"],
+                    [[x["model"], x["kv_dtype"], x["kib_per_token"], x["gib_at_context"]] for x in r["configs"]])
+    from .kv_memory import series_label
+
+    session = table(["policy", "turn", "prompt tokens", "edits fired", "GiB (served model)", "GiB (Llama-3-8B shapes)"],
+                    [[series_label(r["session"], x["policy"]), x["turn"], x["prompt_tokens"],
+                      ", ".join(x["edits_fired"]) or "-", x["gib_served_model"], x["gib_if_llama_3_8b"]]
+                     for x in r["session"]])
+    return head + configs + f"\n\nKV held at each turn of the delayed-recall session (window {r['window']}):\n\n" + session
+
+
+def _decode(r: dict) -> str:
+    return table(["context", "batch", "TTFT s (mean)", "decode tok/s per request", "aggregate tok/s"],
+                 [[x["context"], x["batch"], x["ttft_s_mean"], x["decode_tok_s_per_request"], x["aggregate_tok_s"]]
+                  for x in r["rows"]])
+
+
+def _delayed_recall(r: dict) -> str:
+    head = (f"{r['seeds']} seeds, window {r['window']}, answers up to {r['max_tokens']} tokens; "
+            "correct by phase: right after reading / after 3 more turns / after 6 more.\n\n")
+    return head + table(
+        ["setup", "recall tool", "correct", "invented", "not sure", "overflow", "correct by phase",
+         "edits fired (runs)", "mean prompt tokens"],
+        [[x["setup"], x["recall"], x["correct"], x["invented"], x["not_sure"], x.get("overflow", 0),
+          " / ".join(f"{x['correct_by_phase'][p]}/{x['asked_by_phase'][p]}" for p in ("0", "1", "2")),
+          ", ".join(f"{k} {v}" for k, v in x["runs_where_edit_fired"].items()) or "none",
+          x["mean_prompt_tokens"]] for x in r["rows"]])
+
+
+def _probe(r: dict) -> str:
+    return table(["context the question is asked with", "fact kind", "facts", "kept in summary", "answered correctly"],
+                 [[x["instructions"] if x["instructions"] == "full documents" else f"summary ({x['instructions']})",
+                   x["kind"], x["facts"], "-" if x["instructions"] == "full documents" else x["kept"], x["correct"]]
+                  for x in r["rows"]])
+
+
+def _clear_vs_recompute(r: dict) -> str:
+    return table(["prompt tokens", "mode", "TTFT s", "recomputed tokens", "KL (top-20)", "top-1 agrees",
+                  "greedy match"],
+                 [[x["context"], x["mode"], x["ttft_s"], x["recomputed_tokens"], x["kl_top"], x["top1_agree"],
+                   f"{x['greedy_match']}/{x['greedy_len']}"] for x in r["rows"]])
+
+
+def _load(r: dict) -> str:
+    return table(["sessions x turns", "requests", "errors", "requests/s", "latency p50 s", "latency p99 s",
+                  "requests with clearing", "logs complete"],
+                 [[f"{r['sessions']} x {r['turns']}", r["requests"], r["errors"], r["requests_per_s"],
+                   r["latency_p50_s"], r["latency_p99_s"], r["requests_with_clearing"],
+                   f"{r['logs_complete']}/{r['sessions']}"]])
+
+
+def _rows(r: dict) -> str:
+    """Any benchmark with a list of flat ``rows``: every column of every row."""
+    rows = r["rows"]
+    cols = [k for k in rows[0] if not isinstance(rows[0][k], (list, dict))]
+    return table(cols, [[x.get(c) for c in cols] for x in rows])
+
+
+RENDERERS: dict[str, Callable[[dict], str]] = {
+    "kernel": _kernel, "kv-memory": _kv_memory, "decode-throughput": _decode, "delayed-recall": _delayed_recall,
+    "probe": _probe, "clear-vs-recompute": _clear_vs_recompute, "load": _load,
+}
+
+
+def render(name: str, result: dict) -> str:
+    """The README block for one results file: where and when it was measured, then its tables."""
+    caption = (f"*`{name}`: measured {result['measured_at'][:10]} on {machine_line(result['machine'])}"
+               f"{', model `' + result['model'] + '`' if result.get('model') else ''}; "
+               f"`benchmarks/results/{name}.json`.*\n\n")
+    return caption + RENDERERS.get(name, _rows)(result) + "\n"
+
+
+def rewrite(readme: str, results: Path = RESULTS) -> str:
+    """README with every results block re-rendered from its JSON file."""
+    def block(m: re.Match) -> str:
+        name = m.group(2)
+        data = json.loads((results / f"{name}.json").read_text())
+        return m.group(1) + render(name, data) + m.group(4)
+
+    return BLOCK.sub(block, readme)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="agentkv bench report", description=__doc__)
+    ap.add_argument("--readme", type=Path, default=README)
+    ap.add_argument("--check", action="store_true", help="exit 1 if README differs from the results files")
+    args = ap.parse_args(argv)
+    old = args.readme.read_text()
+    new = rewrite(old)
+    if args.check:
+        raise SystemExit(0 if new == old else 1)
+    args.readme.write_text(new)
+    print(f"{args.readme}: {len(BLOCK.findall(new))} results blocks rendered")
+
+
+if __name__ == "__main__":
+    main()
