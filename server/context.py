@@ -112,6 +112,8 @@ class ContextManager:
                                     "cleared_input_tokens": r.cleared_tokens,
                                     "edits": [e.as_dict() for e in r.edits]})
             elif notes_key is not None:
+                if self.renderer.count(view, tools) < edit.trigger:  # no summary: the log's notes not read
+                    continue
                 notes = [f"{kind}: {text}" for kind, text in self.sessions.log.notes(notes_key)]
                 try:
                     r = summarize(view, self.renderer, edit, self.summarizer, tools, notes, history=history,
