@@ -44,7 +44,9 @@ class EngineClient:
         self._http = httpx.AsyncClient(
             base_url=base_url, headers={"Authorization": f"Bearer {secret}"},
             timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=30.0),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
+            # idle connections dropped before vLLM's own keep-alive timeout (5 s) closes them: a
+            # request sent on a connection the engine is closing fails with a ReadError
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64, keepalive_expiry=2.0),
         )
 
     async def aclose(self) -> None:
