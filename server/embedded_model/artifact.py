@@ -12,12 +12,9 @@ from pathlib import Path
 MANIFEST = "manifest.json"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def sha256_of(path: Path) -> str:
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def is_built(out: Path) -> bool:
@@ -39,7 +36,7 @@ def build_dir(out: Path, write: Callable[[Path], None], force: bool = False) -> 
     try:
         write(tmp)
         files = sorted(p for p in tmp.iterdir() if p.is_file())
-        (tmp / MANIFEST).write_text(json.dumps({p.name: _sha256(p) for p in files}, indent=2, sort_keys=True) + "\n")
+        (tmp / MANIFEST).write_text(json.dumps({p.name: sha256_of(p) for p in files}, indent=2, sort_keys=True) + "\n")
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

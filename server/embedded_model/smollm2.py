@@ -9,12 +9,11 @@ dependencies (``llm``, ``llama-cpp-python``) and never imported: only its file i
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 from pathlib import Path
 
-from .artifact import build_dir
+from .artifact import build_dir, sha256_of
 from .chat_template import chat_template
 from .names import SMOLLM2
 
@@ -51,14 +50,6 @@ def packaged_gguf(install: bool = False) -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _write(gguf: Path, out: Path) -> None:
     if not gguf.is_file():
         raise ModelBuildError(f"GGUF file not found: {gguf}")
@@ -83,7 +74,7 @@ def _write(gguf: Path, out: Path) -> None:
     tokenizer.chat_template = chat_template(DEFAULT_SYSTEM)
     tokenizer.save_pretrained(out)
     (out / "agentkv_source.json").write_text(json.dumps(
-        {"package": PACKAGE, "version": VERSION, "file": GGUF_FILE, "sha256": _sha256(gguf)},
+        {"package": PACKAGE, "version": VERSION, "file": GGUF_FILE, "sha256": sha256_of(gguf)},
         indent=2, sort_keys=True) + "\n")
 
 
