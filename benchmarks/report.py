@@ -113,6 +113,24 @@ def _connector_cost(r: dict) -> str:
             f"Every request:\n\n{rows}")
 
 
+def _front(r: dict) -> str:
+    prompt = table(["part", "mode", "conversation tokens", "new tokens a request", "cold ms", "ms per request",
+                    "CPU ms per request"],
+                   [[x["part"], x["mode"], x["tokens"], x.get("new_tokens", x.get("new_tokens_per_request", "-")),
+                     x.get("cold_ms"), x["per_request_ms"], x["per_request_cpu_ms"]] for x in r["prompt"]])
+    out = f"Prompt work per request (tokenizer `{r['tokenizer']}`):\n\n" + prompt
+    if r["relay_summary"]:
+        tokens = r["relay"][0]["tokens_per_request"]
+        out += (f"\n\nRelay, streamed, {tokens} tokens a request, through agentkv vs the engine directly "
+                "(A/B interleaved, median over rounds):\n\n")
+        out += table(["streams", "agentkv decode tok/s", "engine decode tok/s", "ratio", "end-to-end ratio",
+                      "agentkv TTFT p50 ms", "engine TTFT p50 ms", "TTFT p50 extra ms", "goal met"],
+                     [[x["concurrency"], x["agentkv_tok_s"], x["engine_tok_s"], x["throughput_ratio"], x["e2e_ratio"],
+                       x["agentkv_ttft_p50_ms"], x["engine_ttft_p50_ms"], x["ttft_p50_extra_ms"], x["within_goal"]]
+                      for x in r["relay_summary"]])
+    return out
+
+
 def _rows(r: dict) -> str:
     """Any benchmark with a list of flat ``rows``: every column of every row."""
     rows = r["rows"]
@@ -123,7 +141,7 @@ def _rows(r: dict) -> str:
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "kernel": _kernel, "kv-memory": _kv_memory, "decode-throughput": _decode, "delayed-recall": _delayed_recall,
     "probe": _probe, "clear-vs-recompute": _clear_vs_recompute, "load": _load, "load-shift": _load,
-    "load-blend": _load, "connector-cost": _connector_cost,
+    "load-blend": _load, "connector-cost": _connector_cost, "front": _front,
 }
 
 

@@ -51,6 +51,8 @@ def clear_tool_uses(messages: list[Message], renderer: PromptRenderer, cfg: Clea
     nothing is cleared unless at least ``cfg.clear_at_least`` tokens are freed."""
     before = renderer.count(messages, tools)
     unchanged = ClearResult(messages, tokens_before=before, tokens_after=before)
+    if cfg.trigger.type == "input_tokens" and not cfg.trigger.reached(before, 0):
+        return unchanged  # decided without walking the conversation's tool uses
     uses = tool_uses(messages)
     if not cfg.trigger.reached(before, len(uses)):
         return unchanged

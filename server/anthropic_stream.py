@@ -11,6 +11,7 @@ import json
 import uuid
 from typing import Any
 
+from .engine_stream import encode_json
 from .errors import anthropic_error_body
 
 
@@ -81,7 +82,7 @@ def paused(model: str, compaction: dict, extra: dict) -> dict:
 
 
 def sse(event: str, data: dict) -> bytes:
-    return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+    return b"event: " + event.encode() + b"\ndata: " + encode_json(data) + b"\n\n"
 
 
 def error_event(error: dict) -> bytes:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import threading
-import time
 from contextlib import asynccontextmanager
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from ..compaction.session_log import open_session_log
@@ -15,7 +14,7 @@ from .config import ServeConfig
 from .deps import Authorized, SupervisorDep
 from .errors import install_error_handlers
 from .limits import BodyLimit
-from .metrics import LATENCY, REQUESTS, render
+from .metrics import RequestMetrics, render
 from .routes_anthropic import router as anthropic_router
 from .routes_openai import router as openai_router
 from .routes_responses import router as responses_router
@@ -39,20 +38,11 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app.state.context_lock = threading.Lock()
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=int(cfg.max_request_mb * 2**20))
+    app.add_middleware(RequestMetrics)
     app.include_router(openai_router)
     app.include_router(anthropic_router)
     app.include_router(responses_router)
     app.include_router(sessions_router)
-
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        t0 = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        REQUESTS.labels(path, str(response.status_code)).inc()
-        LATENCY.labels(path).observe(time.perf_counter() - t0)
-        return response
 
     @app.get("/health")
     async def health(sup: SupervisorDep) -> Response:

@@ -4,13 +4,12 @@ to the response (or to the stream's final chunk)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .engine_stream import EngineStream, ToolRunner, completion, extra_fields, open_stream, with_usage
+from .engine_stream import EngineStream, ToolRunner, completion, encode_json, extra_fields, open_stream, with_usage
 from .kv_reuse import take_outcome
 from .metrics import observe_usage
 from .proxy import EngineClient, unavailable
@@ -44,7 +43,7 @@ def split_finish(chunk: dict) -> tuple[dict | None, dict]:
 
 
 def _sse(obj: dict | str) -> bytes:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+    return b"data: " + (obj.encode() if isinstance(obj, str) else encode_json(obj)) + b"\n\n"
 
 
 async def stream(engine: EngineClient, body: dict, report: dict | None, runner: ToolRunner | None) -> Response:
@@ -61,14 +60,14 @@ async def stream(engine: EngineClient, body: dict, report: dict | None, runner: 
 
     async def gen() -> AsyncIterator[bytes]:
         finishing: list[dict] = []
-        async for chunk in es.chunks():
+        async for chunk, data in es.events():
             if chunk.get("choices") and chunk["choices"][0].get("finish_reason"):
                 now, finish = split_finish(chunk)
                 if now is not None:
                     yield _sse(now)
                 finishing.append(finish)
-            else:
-                yield _sse(chunk)
+            else:  # passed on as the engine sent it
+                yield b"data: " + data + b"\n\n" if data is not None else _sse(chunk)
         if es.error is not None:
             yield _sse(es.error)
             yield _sse("[DONE]")

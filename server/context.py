@@ -36,6 +36,7 @@ class Prepared:
     old_ids: list[int]      # the pre-clearing view prompt (when clearing edited it)
     compaction: Message | None = None  # the summary a compact edit wrote in this request
     compact_edit: Compact | None = None  # ... and that edit
+    prompt_ids: list[int] = field(default_factory=list)  # the final view prompt (want_ids: bench front)
 
 
 @dataclass
@@ -111,6 +112,8 @@ class ContextManager:
                                     "cleared_input_tokens": r.cleared_tokens,
                                     "edits": [e.as_dict() for e in r.edits]})
             elif notes_key is not None:
+                if self.renderer.count(view, tools) < edit.trigger:  # no summary: the log's notes not read
+                    continue
                 notes = [f"{kind}: {text}" for kind, text in self.sessions.log.notes(notes_key)]
                 try:
                     r = summarize(view, self.renderer, edit, self.summarizer, tools, notes, history=history,
@@ -136,21 +139,23 @@ class ContextManager:
 
     def prepare(self, owner: str, ref: SessionRef, messages: list[Message], tools: list | None,
                 policy: ContextManagement | None, window: int | None = None,
-                engine_form: EngineForm | None = None) -> Prepared:
-        synced = self.sessions.sync(owner, ref, messages)
+                engine_form: EngineForm | None = None, want_ids: bool = False) -> Prepared:
+        synced = self.sessions.sync(owner, ref, messages, self.renderer.known.keys(messages))
         key, session_id, state = synced.key, synced.id, synced.state
         history = [engine_form(m) for m in messages] if engine_form else messages
         before = self.renderer.count(history, tools)
         run = self._edit(_Run(*self._view(state, messages, engine_form)), state, tools, policy, history, key,
                          window)
-        self.sessions.save(key, state)
+        if run.applied:  # an edit fired and changed the view state (sync saved it unchanged)
+            self.sessions.save(key, state)
         view = run.view
         after = self.renderer.count(view, tools) if view != history else before
         report = {"session_id": session_id, "applied_edits": run.applied,
                   "prompt_tokens_before": before, "prompt_tokens_after": after}
         if run.failed:
             report["failed_edits"] = run.failed
-        return Prepared(key, session_id, view, report, run.kv_edits, run.old_ids, run.summary, run.compact_edit)
+        ids = self.renderer.render(view, tools).token_ids if want_ids else []
+        return Prepared(key, session_id, view, report, run.kv_edits, run.old_ids, run.summary, run.compact_edit, ids)
 
     def count(self, messages: list[Message], tools: list | None, policy: ContextManagement | None,
               engine_form: EngineForm | None = None) -> tuple[int, int]:

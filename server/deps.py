@@ -1,7 +1,12 @@
-"""FastAPI dependencies: the engine client (503 while it is not ready) and API-key auth."""
+"""FastAPI dependencies: the engine client (503 while it is not ready) and API-key auth.
+
+All are ``async def``: FastAPI runs a plain ``def`` dependency in its thread pool, a thread hop per
+dependency per request; these never block (the context manager's one-time build runs in a thread).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 from typing import Annotated
@@ -13,11 +18,11 @@ from .proxy import EngineClient
 from .supervisor import Supervisor
 
 
-def get_supervisor(request: Request) -> Supervisor:
+async def get_supervisor(request: Request) -> Supervisor:
     return request.app.state.supervisor
 
 
-def owner_of(request: Request) -> str:
+async def owner_of(request: Request) -> str:
     """Who is calling: a digest of the API key (``local`` when the server takes no keys).
     Sessions are namespaced by it, so one key never sees another's sessions."""
     keys = request.app.state.cfg.api_key
@@ -30,16 +35,22 @@ def owner_of(request: Request) -> str:
     return hashlib.sha256(given.encode()).hexdigest()[:16]
 
 
-def get_engine(sup: Annotated[Supervisor, Depends(get_supervisor)]) -> EngineClient:
+async def get_engine(sup: Annotated[Supervisor, Depends(get_supervisor)]) -> EngineClient:
     if not sup.healthy() or sup.client is None:
         detail = f" ({sup.error})" if sup.error else ""
         raise APIError(503, f"the inference engine is {sup.state.value}{detail}", code="engine_unavailable")
     return sup.client
 
 
-def get_context(request: Request, engine: Annotated[EngineClient, Depends(get_engine)]):
+async def get_context(request: Request, engine: Annotated[EngineClient, Depends(get_engine)]):
     """The context manager, made once the engine is up (it needs the model's tokenizer)."""
     state = request.app.state
+    if getattr(state, "context", None) is None:
+        await asyncio.to_thread(_make_context, state)
+    return state.context
+
+
+def _make_context(state) -> None:
     if getattr(state, "context", None) is None:
         with state.context_lock:
             if getattr(state, "context", None) is None:

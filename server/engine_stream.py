@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from ..compaction.session_log import SessionLog
 from . import server_tools
 from .errors import error_body
-from .proxy import EngineClient, json_of, unavailable, unavailable_message
+from .proxy import EngineClient, decode_json, encode_json, json_of, unavailable, unavailable_message
 
 PATH = "/v1/chat/completions"
 
@@ -129,15 +128,18 @@ async def open_stream(engine: EngineClient, body: dict) -> httpx.Response | Resp
     return resp
 
 
-async def sse_data(resp: httpx.Response) -> AsyncIterator[str]:
-    """The ``data:`` payloads of a server-sent event stream, as they arrive."""
+async def sse_data(resp: httpx.Response) -> AsyncIterator[bytes]:
+    """The ``data:`` payloads of a server-sent event stream, as they arrive, as bytes (lines split
+    where SSE splits them: CR, LF, CRLF; a payload is never decoded here)."""
     buf = b""
     async for chunk in resp.aiter_raw():
-        buf += chunk
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            for line in event.decode().splitlines():
-                if line.startswith("data:"):
+        buf = buf + chunk if buf else chunk
+        if b"\n\n" not in buf:
+            continue
+        *events, buf = buf.split(b"\n\n")
+        for event in events:
+            for line in event.splitlines():
+                if line.startswith(b"data:"):
                     yield line[5:].strip()
 
 
@@ -148,19 +150,22 @@ class EngineStream:
         self.server_tool_calls: list[dict] = []
         self.error: dict | None = None
 
-    async def _round(self, calls: dict[int, dict]) -> AsyncIterator[dict]:
-        """One engine stream: chunks to pass on (tool-call deltas and finishes held back when server
-        tools are on, returned through ``self._held``); sets ``self.error`` if it breaks."""
+    async def _round(self, calls: dict[int, dict]) -> AsyncIterator[tuple[dict, bytes]]:
+        """One engine stream: (chunk, its JSON as the engine sent it) to pass on (tool-call deltas
+        and finishes held back when server tools are on, returned through ``self._held``); sets
+        ``self.error`` if it breaks."""
         self._held = []
         done = False
         try:
             async for data in sse_data(self._resp):
-                if data == "[DONE]":
+                if done:  # nothing follows [DONE]; read on to the end so the connection is reused
+                    continue
+                if data == b"[DONE]":
                     done = True
-                    break
-                chunk = json.loads(data)
+                    continue
+                chunk = decode_json(data)
                 if "error" in chunk and not chunk.get("choices"):
-                    yield chunk
+                    yield chunk, data
                     continue
                 if not chunk.get("choices"):  # the usage chunk
                     self.usage = add_usage(self.usage, chunk.get("usage"))
@@ -176,7 +181,7 @@ class EngineStream:
                 if self.runner and (delta.get("tool_calls") or chunk["choices"][0].get("finish_reason")):
                     self._held.append(chunk)
                     continue
-                yield chunk
+                yield chunk, data
         except httpx.TransportError as exc:  # the engine went away mid-stream
             self.error = error_body(503, unavailable_message(exc), code="engine_unavailable")
         finally:
@@ -186,11 +191,18 @@ class EngineStream:
                                     code="engine_unavailable")
 
     async def chunks(self) -> AsyncIterator[dict]:
+        async for chunk, _ in self.events():
+            yield chunk
+
+    async def events(self) -> AsyncIterator[tuple[dict, bytes | None]]:
+        """``chunks()`` with each chunk's JSON as the engine sent it, or None where the chunk was
+        changed here (a held chunk whose server tool calls were taken out): an encoder that sends
+        a chunk unchanged can send those bytes instead of encoding it again."""
         runner = self.runner
         for round_ in range((runner.max_rounds if runner else 0) + 1):
             calls: dict[int, dict] = {}
-            async for chunk in self._round(calls):
-                yield chunk
+            async for item in self._round(calls):
+                yield item
             if self.error is not None:
                 return
             ours, theirs = split_calls([calls[i] for i in sorted(calls)])
@@ -221,7 +233,7 @@ class EngineStream:
                         continue
                 if chunk["choices"][0].get("finish_reason") == "tool_calls" and not keep:
                     chunk["choices"][0]["finish_reason"] = "stop"
-                yield chunk
+                yield chunk, None
             return
 
 

@@ -50,13 +50,18 @@ def _loc_to_param(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
+def error_body_for(path: str, status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error body, or Anthropic's (``{"type": "error", "error": {...}}``) on /v1/messages."""
+    if path.startswith("/v1/messages"):  # no `param` there: the message names the field
+        text = message if not param or param in message else f"{param}: {message}"
+        return anthropic_error_body(status, text)
+    return error_body(status, message, param, code)
+
+
 def _respond(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
              headers: dict | None = None) -> JSONResponse:
-    """OpenAI's error body, or Anthropic's (``{"type": "error", "error": {...}}``) on /v1/messages."""
-    if request.url.path.startswith("/v1/messages"):  # no `param` there: the message names the field
-        text = message if not param or param in message else f"{param}: {message}"
-        return JSONResponse(anthropic_error_body(status, text), status_code=status, headers=headers)
-    return error_response(status, message, param, code, headers)
+    return JSONResponse(error_body_for(request.url.path, status, message, param, code), status_code=status,
+                        headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

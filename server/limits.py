@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from .errors import error_body
+from .errors import error_body_for
 
 
 class BodyLimit:
@@ -22,7 +22,7 @@ class BodyLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None:
             if declared.isdigit() and int(declared) > self.max_bytes:
-                return await self._reject(send)
+                return await self._reject(scope, send)
             return await self.app(scope, receive, send)  # the server delivers no more than declared
         parts, seen = [], 0
         while True:
@@ -32,7 +32,7 @@ class BodyLimit:
             parts.append(message.get("body", b""))
             seen += len(parts[-1])
             if seen > self.max_bytes:
-                return await self._reject(send)
+                return await self._reject(scope, send)
             if not message.get("more_body", False):
                 break
         replayed = False
@@ -46,9 +46,9 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _reject(self, send):
-        body = json.dumps(error_body(413, f"request body exceeds {self.max_bytes} bytes",
-                                     code="request_too_large")).encode()
+    async def _reject(self, scope, send):
+        body = json.dumps(error_body_for(scope.get("path", ""), 413, f"request body exceeds {self.max_bytes} bytes",
+                                         code="request_too_large")).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})

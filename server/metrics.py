@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -23,6 +25,34 @@ KV_PRIMED = Counter("agentkv_kv_primed_tokens", "Prompt tokens of priming reques
                     "for shifting)", registry=REGISTRY)
 PROMPT_TOKENS = Counter("agentkv_prompt_tokens", "Chat prompt tokens by how the engine got their K/V "
                         "(cached: prefix cache or connector; computed: prefilled)", ["source"], registry=REGISTRY)
+
+
+class RequestMetrics:
+    """ASGI middleware counting requests by route and status and timing each to its last byte.
+    Pure ASGI: a streamed body passes through with one extra call per message (Starlette's
+    ``BaseHTTPMiddleware`` moves every chunk through a memory stream and a task instead)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.perf_counter(), None
+
+        async def send_(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_)
+        finally:
+            if status is not None:
+                path = getattr(scope.get("route"), "path", "unmatched")
+                REQUESTS.labels(path, str(status)).inc()
+                LATENCY.labels(path).observe(time.perf_counter() - t0)
 
 
 def observe_usage(usage: dict | None) -> None:

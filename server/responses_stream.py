@@ -12,7 +12,6 @@ when the engine broke off). A non-streamed response is the same builder fed the 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .engine_stream import EngineStream, ToolRunner, completion, extra_fields, open_stream, with_usage
+from .engine_stream import EngineStream, ToolRunner, completion, encode_json, extra_fields, open_stream, with_usage
 from .kv_reuse import take_outcome
 from .metrics import observe_usage
 from .proxy import EngineClient, unavailable
@@ -145,7 +144,7 @@ class EventStream:
     def encode(self, kind: str, fields: EventFields) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+        return b"event: " + kind.encode() + b"\ndata: " + encode_json(data) + b"\n\n"
 
 
 def finish_response(response: dict, items: list[dict], finish_reason: str | None, usage: dict | None,
@@ -265,8 +264,9 @@ async def stream(engine: EngineClient, body: dict, runner: ToolRunner | None, an
             if not chunk.get("choices"):
                 continue
             choice = chunk["choices"][0]
-            for kind, fields in builder.feed(choice.get("delta") or {}):
-                yield events.encode(kind, fields)
+            out = builder.feed(choice.get("delta") or {})
+            if out:  # one write for the events of one engine chunk
+                yield b"".join(events.encode(kind, fields) for kind, fields in out)
             finish = choice.get("finish_reason") or finish
         error = es.error or error
         if error is None:

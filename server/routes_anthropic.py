@@ -151,8 +151,9 @@ async def messages(req: MessagesRequest, request: Request, engine: EngineDep, ow
             if "error" in chunk and not chunk.get("choices"):  # the engine reported an error in-stream
                 yield error_event(chunk)
                 return
-            for event in enc.chunk(chunk):
-                yield event
+            events = enc.chunk(chunk)
+            if events:  # one write for the events of one engine chunk
+                yield b"".join(events)
         if es.error is not None:
             yield error_event(es.error)
             return

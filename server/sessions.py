@@ -147,10 +147,10 @@ class ViewState:
 
 
 def _common(a: list[str], b: list[str]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case (a conversation that grew), compared in C
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
 
 
 def _continues(stored: dict | None, keys: list[str]) -> bool:
@@ -175,10 +175,11 @@ class Sessions:
     def __init__(self, log: SessionLog):
         self.log = log
 
-    def sync(self, owner: str, ref: SessionRef, messages: list[Message]) -> Synced:
+    def sync(self, owner: str, ref: SessionRef, messages: list[Message], keys: list[str] | None = None) -> Synced:
         """Find the session, append the messages its log has not seen (before any edit) and return
-        its view state: one transaction, so concurrent requests on one session append each message once."""
-        keys = [message_key(m) for m in messages]
+        its view state: one transaction, so concurrent requests on one session append each message once.
+        ``keys``: the messages' ``message_key`` where the caller has them (``KnownMessages``)."""
+        keys = [message_key(m) for m in messages] if keys is None else keys
         if ref.id is not None:
             key, sid = session_key(owner, ref.id)
             with self.log.transaction(key) as tx:

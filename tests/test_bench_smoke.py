@@ -36,3 +36,31 @@ def test_quick_benchmark_writes_results(server, tmp_path, name):
         assert [r["instructions"] for r in result["rows"]] == ["full documents"] * 2 + ["default"] * 2 + ["guided"] * 2
         assert all(r["facts"] == 2 for r in result["rows"])       # two documents, one fact of each kind
         assert all(f["kept_in_summary"] is None for f in result["facts"]["full documents"])
+
+
+def test_quick_front_benchmark_writes_results(server, tmp_path):
+    """Prompt work (segments against whole renders, SmolLM2's tokenizer) and the relay A/B against
+    the test server's own engine, reached with the port and secret of the process it started."""
+    from agentkv.benchmarks.front import engine_of
+
+    url, key = engine_of(server.proc.pid)
+    main(["bench", "front", "--quick", "--url", server.base_url, "--api-key", server.api_key,
+          "--engine-url", url, "--engine-key", key, "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "front-quick.json").read_text())
+    assert (tmp_path / "front-quick.png").stat().st_size > 1000
+    assert result["machine"]["cpu"] and result["model"] == "agentkv-tiny"
+    prompt = [r for r in result["prompt"] if r["part"] == "prompt"]
+    assert [(r["mode"], r["tokens"]) for r in prompt][::2] == [("segments", t) for t in sorted({r["tokens"] for r in prompt})]
+    for seg, whole in zip(prompt[::2], prompt[1::2]):   # the same conversations, both ways
+        assert (whole["mode"], whole["tokens"], whole["new_tokens_per_request"]) == \
+            ("whole", seg["tokens"], seg["new_tokens_per_request"])
+    new = [r["new_tokens"] for r in result["prompt"] if r["part"] == "new"]
+    assert len(new) == 2 and 0 < new[0] < new[1]
+    relay = result["relay"]
+    assert sorted((r["target"], r["concurrency"]) for r in relay) == \
+        [("agentkv", 1), ("agentkv", 4), ("engine", 1), ("engine", 4)]
+    assert all(r["decode_tok_s"] > 0 and len(r["decode_tok_s_rounds"]) == 2 for r in relay)
+    for s in result["relay_summary"]:
+        a, e = (next(r for r in relay if r["target"] == t and r["concurrency"] == s["concurrency"])
+                for t in ("agentkv", "engine"))
+        assert s["throughput_ratio"] == pytest.approx(a["decode_tok_s"] / e["decode_tok_s"])

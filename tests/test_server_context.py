@@ -160,6 +160,11 @@ def test_oversized_request_is_413_and_the_server_keeps_serving(server):
         {"model": MODEL, "messages": [{"role": "user", "content": huge}]}),
         headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = server.http().post("/v1/messages", content=json.dumps(
+        {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": huge}]}),
+        headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json() == {"type": "error", "error": {
+        "type": "request_too_large", "message": f"request body exceeds {32 * 2**20} bytes"}}   # Anthropic's shape
     assert chat(server, [{"role": "user", "content": "still there?"}], "alive").status_code == 200
 
 

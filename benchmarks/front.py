@@ -1,0 +1,380 @@
+"""The front's own cost: prompt work per request against conversation length, and the streaming
+relay against the same engine reached directly.
+
+1. **Prompt work** (in process, no engine): a tool-heavy agent conversation (coding-agent system
+   prompt and tools, file reads, command outputs, greps) grown to 10k..200k tokens of the served
+   tokenizer (SmolLM2's by default), then requests that each add one turn (the model's tool call
+   and its result). Per request: the context step (``ContextManager.prepare``: session log sync in
+   SQLite, view, the default policy's checks, counts, and the prompt's token ids as KV reuse asks
+   for them) with the renderer's segments and with whole renders (as before), plus the request
+   body's own path (JSON, validation, the body sent on). Also at the largest size: one new
+   message of 100..10k tokens, so the time is seen growing with what is new.
+2. **Relay** (a real engine): streamed chat completions decoding ``--tokens`` tokens each
+   (``ignore_eos``), ``--concurrency`` at a time, each a new conversation, through agentkv and
+   straight to its vLLM (port and secret read from the engine process the server started, or
+   ``--engine-url`` and ``--engine-key``), interleaved A B B A over ``--rounds``: aggregate decode
+   tokens/s (all streams' tokens after their first, over the time from the first first token to
+   the last token; median over rounds), end-to-end tokens/s (all tokens over the batch's wall time, TTFT
+   included) and TTFT p50 (all requests) of each.
+
+Usage: ``agentkv bench front [--quick] [--url URL --api-key KEY --engine-url URL --engine-key KEY]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, pyplot, write_results
+
+SYSTEM = ("You are a coding agent working in a large Python repository. Read before you edit, run the tests "
+          "after every change, keep diffs small, and report what you changed and why. ") * 12
+TOOLS = [{"type": "function", "function": {"name": name, "description": desc, "parameters": {
+    "type": "object", "properties": {k: {"type": "string", "description": k} for k in args}, "required": args[:1]}}}
+    for name, desc, args in [("read_file", "Read a file of the repository", ["path", "start", "end"]),
+                             ("bash", "Run a shell command in the repository", ["command", "timeout"]),
+                             ("grep", "Search the repository for a pattern", ["pattern", "path"]),
+                             ("write_file", "Write a file of the repository", ["path", "content"]),
+                             ("list_dir", "List a directory", ["path"]),
+                             ("run_tests", "Run the test suite or one test", ["target"])]]
+WORDS = ("self config value request session engine token prompt cache index result error retry queue "
+         "shard node disk write read commit return import def class if else for while with yield").split()
+
+
+def _code(rng: random.Random, lines: int) -> str:
+    out = []
+    for i in range(lines):
+        indent = "    " * rng.randrange(3)
+        out.append(f"{i + 1:5d}  {indent}{rng.choice(WORDS)}_{rng.choice(WORDS)} = "
+                   f"{rng.choice(WORDS)}({rng.choice(WORDS)}, {rng.randrange(1000)})")
+    return "\n".join(out)
+
+
+def _output(rng: random.Random, lines: int) -> str:
+    return "\n".join(f"{rng.choice(['PASSED', 'FAILED', 'ok', 'warn'])} tests/test_{rng.choice(WORDS)}.py::"
+                     f"test_{rng.choice(WORDS)}_{rng.choice(WORDS)} [{rng.randrange(100)}%] {rng.random():.3f}s"
+                     for _ in range(lines))
+
+
+def turn(rng: random.Random, n: int, lines: int | None = None) -> list[dict]:
+    """One agent step: a tool call and its result (a file read, a command's output or a grep)."""
+    kind = rng.choice(["read_file", "bash", "grep"])
+    if lines is None:  # mostly short outputs, some pages, a few whole files
+        lines = rng.choices([rng.randrange(2, 12), rng.randrange(15, 40), rng.randrange(80, 200)], [70, 25, 5])[0]
+    args = {"read_file": {"path": f"src/{rng.choice(WORDS)}/{rng.choice(WORDS)}.py"},
+            "bash": {"command": f"pytest -q tests/test_{rng.choice(WORDS)}.py"},
+            "grep": {"pattern": rng.choice(WORDS), "path": "src"}}[kind]
+    result = _code(rng, lines) if kind != "bash" else _output(rng, lines)
+    call = {"id": f"call_{n}", "type": "function", "function": {"name": kind, "arguments": json.dumps(args)}}
+    content = rng.choice([None, None, f"Let me look at {args.get('path') or args.get('pattern') or 'the tests'}."])
+    return [{"role": "assistant", "content": content, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": result}]
+
+
+def conversation(renderer, tokens: int, seed: int = 0) -> list[dict]:
+    """A tool-heavy agent conversation of about ``tokens`` prompt tokens (a user follow-up every
+    eight steps)."""
+    rng = random.Random(seed)
+    msgs = [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "The session tests fail after the last refactor; find out why and fix it."}]
+    n = 0
+    while renderer.count(msgs, TOOLS) < tokens:
+        n += 1
+        msgs += turn(rng, n)
+        if n % 8 == 0:
+            msgs += [{"role": "assistant", "content": "The failure comes from the cache layer; checking its callers."},
+                     {"role": "user", "content": f"Also check {rng.choice(WORDS)}.py while you are there."}]
+    return msgs
+
+
+# -- 1. prompt work ------------------------------------------------------------------------------
+WINDOW = 1 << 22  # the default policy for a window no conversation here reaches: no edit fires (the steady state)
+
+
+def _context_step(renderer, window: int):
+    from ..compaction.policy import default_policy
+    from ..compaction.session_log import open_session_log
+    from ..server.context import ContextManager
+    from ..server.sessions import Sessions
+
+    log = open_session_log(Path(tempfile.mkdtemp(prefix="agentkv-front-")) / "log.db")
+    return ContextManager(Sessions(log), renderer, None), default_policy(window), log
+
+
+def _body_path(raw: bytes) -> None:
+    """What the chat route does with the body before the context step, and the body it sends on."""
+    from ..server.proxy import encode_json
+    from ..server.schemas import ChatCompletionRequest, forward_body
+
+    req = ChatCompletionRequest.model_validate(json.loads(raw))
+    body = forward_body(req, "model")
+    encode_json(body)
+
+
+def prompt_rows(renderer_of, sizes: list[int], turns: int, new_sizes: list[int]) -> list[dict]:
+    """Per size and mode: the first request (cold) and ``turns`` requests adding one turn each."""
+    from ..server.sessions import SessionRef
+
+    rows = []
+    counter = renderer_of(True)
+    for size in sizes:
+        base = conversation(counter, size)
+        tokens = counter.count(base, TOOLS)
+        rng = random.Random(size)
+        grown = [base]
+        for t in range(turns):
+            grown.append(grown[-1] + turn(rng, 10_000 + t))
+        for mode in ("segments", "whole"):
+            ctx, policy, log = _context_step(renderer_of(mode == "segments"), window=WINDOW)
+            times, cpu = [], []
+            for i, msgs in enumerate(grown):
+                t0, c0 = time.perf_counter(), time.process_time()
+                p = ctx.prepare("bench", SessionRef(f"s{size}"), msgs, TOOLS, policy, want_ids=True)
+                times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+                if p.report["applied_edits"] or len(p.prompt_ids) != p.report["prompt_tokens_after"]:
+                    raise RuntimeError(f"not the steady state measured here: {p.report}")
+            log.close()
+            new = [counter.count(b, TOOLS) - counter.count(a, TOOLS) for a, b in zip(grown, grown[1:])]
+            rows.append({"part": "prompt", "mode": mode, "tokens": tokens, "messages": len(base),
+                         "cold_ms": times[0] * 1e3, "per_request_ms": statistics.median(times[1:]) * 1e3,
+                         "per_request_cpu_ms": statistics.median(cpu[1:]) * 1e3,
+                         "per_request_ms_all": [round(t * 1e3, 3) for t in times[1:]],
+                         "new_tokens_per_request": statistics.median(new)})
+        raws = [json.dumps({"model": "m", "messages": m, "tools": TOOLS, "stream": True}).encode() for m in grown[1:]]
+        times, cpu = [], []
+        for raw in raws:
+            t0, c0 = time.perf_counter(), time.process_time()
+            _body_path(raw)
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        rows.append({"part": "body", "mode": "request body", "tokens": tokens, "messages": len(base),
+                     "bytes": len(raws[-1]), "per_request_ms": statistics.median(times) * 1e3,
+                     "per_request_cpu_ms": statistics.median(cpu) * 1e3})
+    if new_sizes:  # the largest conversation, one new message of each size
+        base = conversation(counter, sizes[-1])
+        ctx, policy, log = _context_step(renderer_of(True), window=WINDOW)
+        ctx.prepare("bench", SessionRef("grow"), base, TOOLS, policy, want_ids=True)
+        msgs, rng = base, random.Random(1)
+        for n, lines in enumerate(new_sizes):
+            step = turn(rng, 20_000 + n, lines=lines)
+            msgs = msgs + step
+            new = counter.count(msgs, TOOLS) - counter.count(msgs[:-1], TOOLS)
+            t0, c0 = time.perf_counter(), time.process_time()
+            ctx.prepare("bench", SessionRef("grow"), msgs, TOOLS, policy, want_ids=True)
+            rows.append({"part": "new", "mode": "segments", "tokens": counter.count(msgs, TOOLS),
+                         "new_tokens": new, "per_request_ms": (time.perf_counter() - t0) * 1e3,
+                         "per_request_cpu_ms": (time.process_time() - c0) * 1e3})
+        log.close()
+    return rows
+
+
+# -- 2. relay ------------------------------------------------------------------------------------
+def engine_of(pid: int) -> tuple[str, str]:
+    """(URL, secret) of the vLLM engine under the agentkv server process ``pid``: its port from the
+    engine's argv, its secret from its environment (``VLLM_API_KEY``; readable by the same user)."""
+    import psutil
+
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            argv, env = child.cmdline(), child.environ()
+        except psutil.Error:
+            continue
+        if "VLLM_API_KEY" in env and "--port" in argv and "vllm.entrypoints.openai.api_server" in argv:
+            return f"http://127.0.0.1:{argv[argv.index('--port') + 1]}", env["VLLM_API_KEY"]
+    raise RuntimeError(f"no vLLM engine under process {pid}")
+
+
+async def _one(client: httpx.AsyncClient, model: str, tokens: int, rng: random.Random) -> dict:
+    words = " ".join(rng.choice(WORDS) for _ in range(24))
+    body = {"model": model, "messages": [{"role": "system", "content": f"Agent {uuid.uuid4().hex}."},
+                                         {"role": "user", "content": f"Continue: {words}"}],
+            "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    usage = None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk.get("choices") and (chunk["choices"][0].get("delta") or {}).get("content") is not None:
+                last = time.perf_counter()
+                first = first or last
+    if usage is None or first is None:
+        raise RuntimeError("a stream ended without tokens or usage")
+    return {"ttft_s": first - t0, "tokens": usage["completion_tokens"], "first": first, "end": last}
+
+
+async def _batch(url: str, key: str | None, model: str, concurrency: int, tokens: int, seed: int) -> dict:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
+        rng = random.Random(seed)
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(_one(client, model, tokens, rng) for _ in range(concurrency)))
+    wall = max(r["end"] for r in res) - t0
+    # decode: every stream's tokens after its first, over the time from the first first token to the
+    # last token (a relay that holds tokens back and sends them in bursts does not look faster)
+    decode = sum(r["tokens"] - 1 for r in res) / (max(r["end"] for r in res) - min(r["first"] for r in res))
+    return {"tok_s": decode, "e2e_tok_s": sum(r["tokens"] for r in res) / wall, "ttft": [r["ttft_s"] for r in res]}
+
+
+def relay_rows(front: tuple[str, str | None], engine: tuple[str, str], model: str, levels: list[int],
+               tokens: int, rounds: int, progress) -> list[dict]:
+    targets = {"agentkv": front, "engine": engine}
+    asyncio.run(_batch(*front, model, 2, 4, seed=0))  # warm both paths
+    asyncio.run(_batch(*engine, model, 2, 4, seed=0))
+    rows = []
+    for c in levels:
+        got: dict[str, list[dict]] = {"agentkv": [], "engine": []}
+        for r in range(rounds):
+            for name in (("agentkv", "engine") if r % 2 == 0 else ("engine", "agentkv")):
+                got[name].append(asyncio.run(_batch(*targets[name], model, c, tokens, seed=1000 * c + r)))
+                progress()
+        for name, batches in got.items():
+            ttft = [t for b in batches for t in b["ttft"]]
+            rows.append({"part": "relay", "target": name, "concurrency": c, "tokens_per_request": tokens,
+                         "decode_tok_s": statistics.median(b["tok_s"] for b in batches),
+                         "decode_tok_s_rounds": [round(b["tok_s"], 1) for b in batches],
+                         "e2e_tok_s": statistics.median(b["e2e_tok_s"] for b in batches),
+                         "ttft_p50_ms": statistics.median(ttft) * 1e3,
+                         "ttft_p90_ms": sorted(ttft)[int(0.9 * (len(ttft) - 1))] * 1e3})
+    return rows
+
+
+def relay_summary(rows: list[dict]) -> list[dict]:
+    """agentkv against the engine at each concurrency: throughput ratio and TTFT difference."""
+    out = []
+    for c in sorted({r["concurrency"] for r in rows}):
+        a = next(r for r in rows if r["concurrency"] == c and r["target"] == "agentkv")
+        e = next(r for r in rows if r["concurrency"] == c and r["target"] == "engine")
+        out.append({"concurrency": c, "agentkv_tok_s": a["decode_tok_s"], "engine_tok_s": e["decode_tok_s"],
+                    "throughput_ratio": a["decode_tok_s"] / e["decode_tok_s"],
+                    "e2e_ratio": a["e2e_tok_s"] / e["e2e_tok_s"],
+                    "agentkv_ttft_p50_ms": a["ttft_p50_ms"], "engine_ttft_p50_ms": e["ttft_p50_ms"],
+                    "ttft_p50_extra_ms": a["ttft_p50_ms"] - e["ttft_p50_ms"],
+                    "within_goal": a["decode_tok_s"] >= 0.95 * e["decode_tok_s"]
+                    and a["ttft_p50_ms"] - e["ttft_p50_ms"] <= 5.0})
+    return out
+
+
+def plot(prompt: list[dict], summary: list[dict], relay: list[dict], title: str):
+    plt = pyplot()
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.2))
+    for mode, style in (("segments", "o-"), ("whole", "s--"), ("request body", "^:")):
+        rs = [r for r in prompt if r["mode"] == mode and r["part"] != "new"]
+        if rs:
+            a.plot([r["tokens"] for r in rs], [r["per_request_ms"] for r in rs], style,
+                   label={"segments": "context step, segments", "whole": "context step, whole render",
+                          "request body": "request body (JSON, validation, sent on)"}[mode])
+    a.set_xscale("log")
+    a.set_yscale("log")
+    a.set_xlabel("conversation tokens (one new turn a request)")
+    a.set_ylabel("front time per request (ms)")
+    a.legend(fontsize=8)
+    for name, style in (("agentkv", "o-"), ("engine", "s--")):
+        rs = [r for r in relay if r["target"] == name]
+        b.plot([r["concurrency"] for r in rs], [r["decode_tok_s"] for r in rs], style, label=name)
+        c.plot([r["concurrency"] for r in rs], [r["ttft_p50_ms"] for r in rs], style, label=name)
+    for ax, label in ((b, "aggregate decode tokens/s"), (c, "TTFT p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="agentkv bench front", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes, concurrency 1 and 4 (smoke test)")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 25_000, 50_000, 100_000, 200_000],
+                    help="conversation lengths in tokens (prompt part)")
+    ap.add_argument("--turns", type=int, default=8, help="requests per size after the first (prompt part)")
+    ap.add_argument("--new-sizes", type=int, nargs="*", default=[4, 40, 400],
+                    help="lines of one new tool result at the largest size (prompt part)")
+    ap.add_argument("--tokenizer", help="tokenizer + chat template folder (default: the embedded SmolLM2)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--tokens", type=int, default=64, help="decoded tokens per request (relay part)")
+    ap.add_argument("--rounds", type=int, default=4, help="A/B rounds per concurrency (relay part)")
+    ap.add_argument("--model", default="agentkv-tiny", help="served model when the benchmark starts the server")
+    ap.add_argument("--engine-url", help="the engine behind --url (default: read from the server started here)")
+    ap.add_argument("--engine-key", help="its secret")
+    ap.add_argument("--parts", nargs="+", choices=["prompt", "relay"], default=["prompt", "relay"],
+                    help="which parts to run (prompt needs no engine)")
+    add_endpoint_args(ap)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.turns, args.new_sizes = [2_000, 8_000], 3, [4, 40]
+        args.concurrency, args.tokens, args.rounds = [1, 4], 8, 2
+    if args.url and "relay" in args.parts and not (args.engine_url and args.engine_key):
+        ap.error("--url needs --engine-url and --engine-key (the engine that server runs on)")
+    from tqdm import tqdm
+
+    from ..compaction.prompt import KnownMessages, PromptRenderer
+    from ..server.embedded_model.catalog import model_dir
+    from ..server.embedded_model.names import SMOLLM2
+
+    path = args.tokenizer or str(model_dir(SMOLLM2))
+    tokenizer = PromptRenderer.from_pretrained(path, segments=False).tokenizer
+
+    def renderer(segments: bool) -> PromptRenderer:
+        """With segments (now), or as before: whole renders, every message hashed on every request."""
+        r = PromptRenderer(tokenizer, segments=segments)
+        if not segments:
+            r.known = KnownMessages(max_lists=0)
+        return r
+
+    prompt = prompt_rows(renderer, args.sizes, args.turns, args.new_sizes) if "prompt" in args.parts else []
+    relay, model = [], None
+    if "relay" in args.parts:
+        with Endpoint(args.url, args.api_key, () if args.url else ("--model", args.model)) as ep:
+            engine = (args.engine_url, args.engine_key) if args.url else engine_of(ep.proc.pid)
+            model = ep.model()["id"]
+            bar = tqdm(total=len(args.concurrency) * args.rounds * 2, desc="relay A/B")
+            relay = relay_rows((ep.url, ep.api_key), engine, model, args.concurrency, args.tokens, args.rounds,
+                               lambda: bar.update())
+            bar.close()
+    summary = relay_summary(relay) if relay else []
+    m = machine()
+    tok_name = Path(path).name
+    result = {"machine": m, "tokenizer": tok_name, "model": model, "prompt": prompt, "relay": relay,
+              "relay_summary": summary}
+    name = "front" + ("-quick" if args.quick else "")
+    fig = plot(prompt, summary, relay, f"agentkv front: prompt work ({tok_name}) and relay ({model})\n"
+                                       f"{machine_line(m)}")
+    jpath, ppath = write_results(name, result, fig, args.out)
+    print_table(f"front time per request ({tok_name})",
+                ["part", "mode", "tokens", "messages", "new tokens", "cold ms", "ms/request", "CPU ms/request"],
+                [[r["part"], r["mode"], r["tokens"], r.get("messages", ""),
+                  r.get("new_tokens", r.get("new_tokens_per_request", "")), r.get("cold_ms", ""), r["per_request_ms"],
+                  r["per_request_cpu_ms"]] for r in prompt], machine_line(m))
+    if summary:
+        print_table(f"relay through agentkv vs the engine ({model}, {args.tokens} tokens a request)",
+                    ["streams", "agentkv decode tok/s", "engine decode tok/s", "ratio", "end-to-end ratio",
+                     "agentkv TTFT p50 ms", "engine TTFT p50 ms", "goal met"],
+                    [[s["concurrency"], s["agentkv_tok_s"], s["engine_tok_s"], s["throughput_ratio"], s["e2e_ratio"],
+                      s["agentkv_ttft_p50_ms"], s["engine_ttft_p50_ms"], s["within_goal"]] for s in summary],
+                    machine_line(m))
+    print(f"wrote {jpath} and {ppath}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
