@@ -5,8 +5,11 @@ Every turn sends the whole conversation (as an agent harness does) with the sess
 tool output of ``--tool-lines`` lines. Reports requests/s, latency p50/p99, errors (should be 0),
 how many requests had clearing applied, and whether every session's log on the server is
 complete afterwards (``GET /v1/sessions/{id}/messages`` equals what the client sent).
+``--kv-reuse shift|blend`` asks for KV reuse after clearing on every request (the server must run
+with the KV connector: one is started with ``--kv-reuse shift`` when no ``--url`` is given) and
+reports what the connector did with each edit: tokens reused, fallbacks to recompute by reason.
 Loopback only, bounded by ``--sessions`` x ``--turns``.
-Usage: ``agentkv bench load [--quick] [--url URL --api-key KEY]``.
+Usage: ``agentkv bench load [--quick] [--kv-reuse MODE] [--url URL --api-key KEY]``.
 """
 
 from __future__ import annotations
@@ -34,17 +37,19 @@ def tool_output(rng: random.Random, turn: int, lines: int) -> str:
     return "\n".join(out)
 
 
-async def run_session(client, model: str, sid: str, turns: int, lines: int, max_tokens: int, seed: int) -> dict:
+async def run_session(client, model: str, sid: str, turns: int, lines: int, max_tokens: int, seed: int,
+                      kv_reuse: str) -> dict:
     rng = random.Random(seed)
     messages = [{"role": "system", "content": "You are an agent. Use bash to inspect the services."},
                 {"role": "user", "content": f"Session {sid}: find the slow service."}]
-    rec = {"session": sid, "latencies": [], "prompt_tokens": [], "errors": [], "cleared": 0, "sent": None}
+    rec = {"session": sid, "latencies": [], "prompt_tokens": [], "errors": [], "cleared": 0, "sent": None,
+           "kv": []}
     for turn in range(turns):
         t0 = time.perf_counter()
         try:
             raw = await client.chat.completions.with_raw_response.create(
                 model=model, messages=messages, tools=TOOLS, max_tokens=max_tokens, temperature=0,
-                extra_headers={"X-Session-Id": sid})
+                extra_headers={"X-Session-Id": sid}, extra_body={"kv_reuse": kv_reuse})
             reply = raw.parse()
         except Exception as exc:  # counted, reported, and the session stops (its log is still checked)
             rec["errors"].append(f"turn {turn}: {exc.__class__.__name__}: {exc}"[:300])
@@ -53,6 +58,7 @@ async def run_session(client, model: str, sid: str, turns: int, lines: int, max_
         rec["prompt_tokens"].append(reply.usage.prompt_tokens if reply.usage else 0)
         report = (reply.model_extra or {}).get("context_management") or {}
         rec["cleared"] += bool(report.get("applied_edits"))
+        rec["kv"] += [e["kv"] for e in report.get("applied_edits", []) if "kv" in e][:1]
         rec["sent"] = list(messages)
         call_id = f"call_{turn}"
         messages.append({"role": "assistant", "content": reply.choices[0].message.content or None,
@@ -80,14 +86,14 @@ async def check_log(http, rec: dict) -> bool:
 
 
 async def measure(url: str, api_key: str | None, model: str, sessions: int, turns: int, lines: int,
-                  max_tokens: int) -> dict:
+                  max_tokens: int, kv_reuse: str = "recompute") -> dict:
     import httpx
     from openai import AsyncOpenAI
 
     run = uuid.uuid4().hex[:8]
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "none", max_retries=0, timeout=600)
     t0 = time.perf_counter()
-    recs = await asyncio.gather(*(run_session(client, model, f"load-{run}-{i}", turns, lines, max_tokens, seed=i)
+    recs = await asyncio.gather(*(run_session(client, model, f"load-{run}-{i}", turns, lines, max_tokens, i, kv_reuse)
                                   for i in range(sessions)))
     wall = time.perf_counter() - t0
     await client.close()
@@ -95,7 +101,14 @@ async def measure(url: str, api_key: str | None, model: str, sessions: int, turn
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
         complete = [await check_log(http, r) for r in recs]
     lat = np.array([x for r in recs for x in r["latencies"]])
-    return {"sessions": sessions, "turns": turns, "tool_lines": lines, "max_tokens": max_tokens,
+    kv = [k for r in recs for k in r["kv"]]
+    fallbacks: dict[str, int] = {}
+    for k in kv:
+        if k.get("fallback"):
+            fallbacks[k["fallback"]] = fallbacks.get(k["fallback"], 0) + 1
+    return {"sessions": sessions, "turns": turns, "tool_lines": lines, "max_tokens": max_tokens, "kv_reuse": kv_reuse,
+            "kv_edits": len(kv), "kv_reused_tokens": sum(k.get("reused_tokens", 0) for k in kv),
+            "kv_fallbacks": fallbacks,
             "requests": int(lat.size), "errors": sum(len(r["errors"]) for r in recs),
             "error_messages": [e for r in recs for e in r["errors"]][:20], "wall_s": wall,
             "requests_per_s": lat.size / wall if wall else 0.0,
@@ -128,24 +141,30 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--turns", type=int, default=10, help="requests per session")
     ap.add_argument("--tool-lines", type=int, default=30, help="lines per tool output")
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
+    ap.add_argument("--kv-reuse", choices=["recompute", "shift", "blend"], default="recompute",
+                    help="KV reuse asked for after clearing (shift/blend need the server's KV connector)")
     add_endpoint_args(ap)
     args = ap.parse_args(argv)
     sessions, turns = (4, 5) if args.quick else (args.sessions, args.turns)
     if sessions < 1 or turns < 1 or sessions * turns > 10_000:
         ap.error("--sessions and --turns must be >= 1, with at most 10,000 requests in all")
     # a 2k window when we start the server: clearing fires within a few turns
-    with Endpoint(args.url, args.api_key, serve_args=("--max-model-len", "2048")) as ep:
+    serve = ("--max-model-len", "2048") + (("--kv-reuse", "shift") if args.kv_reuse != "recompute" else ())
+    with Endpoint(args.url, args.api_key, serve_args=serve) as ep:
         model = ep.model()["id"]
-        res = asyncio.run(measure(ep.url, ep.api_key, model, sessions, turns, args.tool_lines, args.max_tokens))
+        res = asyncio.run(measure(ep.url, ep.api_key, model, sessions, turns, args.tool_lines, args.max_tokens,
+                                  args.kv_reuse))
     m = machine()
     result = {"machine": m, "model": model, **res}
-    name = "load" + ("-quick" if args.quick else "")
-    fig = plot(res, f"load: {sessions} sessions x {turns} turns, {model}\n{machine_line(m)}")
+    name = "load" + (f"-{args.kv_reuse}" if args.kv_reuse != "recompute" else "") + ("-quick" if args.quick else "")
+    fig = plot(res, f"load: {sessions} sessions x {turns} turns, kv_reuse {args.kv_reuse}, {model}\n{machine_line(m)}")
     jpath, ppath = write_results(name, result, fig, args.out)
-    print_table(f"load ({model}, {sessions} sessions x {turns} turns)",
-                ["requests", "errors", "req/s", "p50 s", "p99 s", "with clearing", "logs complete"],
+    print_table(f"load ({model}, {sessions} sessions x {turns} turns, kv_reuse {args.kv_reuse})",
+                ["requests", "errors", "req/s", "p50 s", "p99 s", "with clearing", "logs complete", "KV reused",
+                 "KV fallbacks"],
                 [[res["requests"], res["errors"], res["requests_per_s"], res["latency_p50_s"] or "",
-                  res["latency_p99_s"] or "", res["requests_with_clearing"], f"{res['logs_complete']}/{sessions}"]],
+                  res["latency_p99_s"] or "", res["requests_with_clearing"], f"{res['logs_complete']}/{sessions}",
+                  res["kv_reused_tokens"], json.dumps(res["kv_fallbacks"])]],
                 machine_line(m))
     for e in res["error_messages"]:
         print("error:", e)

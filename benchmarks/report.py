@@ -89,11 +89,28 @@ def _clear_vs_recompute(r: dict) -> str:
 
 
 def _load(r: dict) -> str:
-    return table(["sessions x turns", "requests", "errors", "requests/s", "latency p50 s", "latency p99 s",
-                  "requests with clearing", "logs complete"],
-                 [[f"{r['sessions']} x {r['turns']}", r["requests"], r["errors"], r["requests_per_s"],
-                   r["latency_p50_s"], r["latency_p99_s"], r["requests_with_clearing"],
-                   f"{r['logs_complete']}/{r['sessions']}"]])
+    cols = ["sessions x turns", "requests", "errors", "requests/s", "latency p50 s", "latency p99 s",
+            "requests with clearing", "logs complete"]
+    row = [f"{r['sessions']} x {r['turns']}", r["requests"], r["errors"], r["requests_per_s"], r["latency_p50_s"],
+           r["latency_p99_s"], r["requests_with_clearing"], f"{r['logs_complete']}/{r['sessions']}"]
+    if r.get("kv_reuse", "recompute") != "recompute":   # what the KV connector did with the edits
+        cols += ["kv_reuse", "KV edits", "KV reused tokens", "KV fallbacks (reason: edits)"]
+        row += [r["kv_reuse"], r["kv_edits"], r["kv_reused_tokens"],
+                ", ".join(f"{k}: {v}" for k, v in sorted(r["kv_fallbacks"].items())) or "none"]
+    return table(cols, [row])
+
+
+def _connector_cost(r: dict) -> str:
+    goal = f"goal {r['goal']:.0%}"
+    head = table(["metric", "median on", "median off", "median paired on/off", "pairs", "cost", goal],
+                 [[k, x["median_on"], x["median_off"], x["median_paired_ratio"], x["pairs"],
+                   "-" if x["cost"] is None else f"{x['cost']:+.1%}", "met" if x["goal_met"] else "not met"]
+                  for k, x in r["summary"].items()])
+    rows = table(["session", "turn", "connector", "prompt tokens", "TTFT s", "decode tokens/s"],
+                 [[x["session"], x["turn"], x["connector"], x.get("prompt_tokens"), x["ttft_s"], x["decode_tps"]]
+                  for x in r["rows"]])
+    return (f"{r['sessions']} sessions x {r['turns']} turns, requests that never clear:\n\n{head}\n\n"
+            f"Every request:\n\n{rows}")
 
 
 def _front(r: dict) -> str:
@@ -123,7 +140,8 @@ def _rows(r: dict) -> str:
 
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "kernel": _kernel, "kv-memory": _kv_memory, "decode-throughput": _decode, "delayed-recall": _delayed_recall,
-    "probe": _probe, "clear-vs-recompute": _clear_vs_recompute, "load": _load, "front": _front,
+    "probe": _probe, "clear-vs-recompute": _clear_vs_recompute, "load": _load, "load-shift": _load,
+    "load-blend": _load, "connector-cost": _connector_cost, "front": _front,
 }
 
 

@@ -36,7 +36,6 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app.state.sessions = Sessions(open_session_log(cfg.session_db_path))
     app.state.context = None
     app.state.context_lock = threading.Lock()
-    app.state.kv_last = {}  # session -> (connector store key, prompt ids) of its last prompt
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=int(cfg.max_request_mb * 2**20))
     app.add_middleware(RequestMetrics)

@@ -10,6 +10,7 @@ import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .engine_stream import EngineStream, ToolRunner, completion, encode_json, extra_fields, open_stream, with_usage
+from .kv_reuse import take_outcome
 from .metrics import observe_usage
 from .proxy import EngineClient, unavailable
 
@@ -24,6 +25,7 @@ async def complete(engine: EngineClient, body: dict, report: dict | None, runner
     if status != 200:
         return JSONResponse(payload, status_code=status)
     observe_usage(payload.get("usage"))
+    take_outcome(payload, report)
     payload.update(extra_fields(report, annotations))
     return JSONResponse(payload)
 

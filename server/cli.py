@@ -116,6 +116,7 @@ BENCHMARKS = {
     "probe": "agentkv.benchmarks.probe",
     "clear-vs-recompute": "agentkv.benchmarks.clear_vs_recompute",
     "load": "agentkv.benchmarks.load",
+    "connector-cost": "agentkv.benchmarks.connector_cost",
     "front": "agentkv.benchmarks.front",
     "report": "agentkv.benchmarks.report",
 }

@@ -65,7 +65,9 @@ class ServeConfig(BaseModel):
         "recompute", description="after clearing: recompute (exact), shift cached K/V with the kernel, or "
                                  "blend (shift, recompute a tail); shift/blend load agentkv's vLLM KV connector")
     blend_fraction: float = Field(0.15, ge=0, le=1, description="blend: fraction of the moved tokens recomputed")
-    kv_store_gib: float = Field(2.0, gt=0, description="connector: host memory for saved prompt K/V")
+    kv_hold_fraction: float = Field(0.25, ge=0, le=1, description="connector: share of the KV pool that may hold "
+                                    "sessions' last prompt blocks for their next turn (0: hold nothing, recompute)")
+    kv_hold_ttl_s: float = Field(300.0, gt=0, description="connector: seconds a session's blocks are held at most")
     max_request_mb: float = Field(32.0, gt=0, description="largest accepted request body (MiB)")
     session_db: str | None = Field(None, repr=False, description="session log: a SQLite path or a postgresql:// URL; default $AGENTKV_HOME/sessions.db")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")

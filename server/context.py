@@ -34,9 +34,9 @@ class Prepared:
     report: dict[str, Any]
     edits: list  # PromptEdit of clearing in this request, against the pre-clearing view prompt
     old_ids: list[int]      # the pre-clearing view prompt (when clearing edited it)
-    prompt_ids: list[int]   # the final view prompt (when asked for)
     compaction: Message | None = None  # the summary a compact edit wrote in this request
     compact_edit: Compact | None = None  # ... and that edit
+    prompt_ids: list[int] = field(default_factory=list)  # the final view prompt (want_ids: bench front)
 
 
 @dataclass
@@ -138,8 +138,8 @@ class ContextManager:
         return run
 
     def prepare(self, owner: str, ref: SessionRef, messages: list[Message], tools: list | None,
-                policy: ContextManagement | None, want_ids: bool = False, window: int | None = None,
-                engine_form: EngineForm | None = None) -> Prepared:
+                policy: ContextManagement | None, window: int | None = None,
+                engine_form: EngineForm | None = None, want_ids: bool = False) -> Prepared:
         synced = self.sessions.sync(owner, ref, messages, self.renderer.known.keys(messages))
         key, session_id, state = synced.key, synced.id, synced.state
         history = [engine_form(m) for m in messages] if engine_form else messages
@@ -155,8 +155,7 @@ class ContextManager:
         if run.failed:
             report["failed_edits"] = run.failed
         ids = self.renderer.render(view, tools).token_ids if want_ids else []
-        return Prepared(key, session_id, view, report, run.kv_edits, run.old_ids, ids, run.summary,
-                        run.compact_edit)
+        return Prepared(key, session_id, view, report, run.kv_edits, run.old_ids, run.summary, run.compact_edit, ids)
 
     def count(self, messages: list[Message], tools: list | None, policy: ContextManagement | None,
               engine_form: EngineForm | None = None) -> tuple[int, int]:
@@ -172,11 +171,10 @@ class ContextManager:
 
 async def manage(ctx: ContextManager, cfg, window: int, owner: str, ref: SessionRef,
                  conversation: list[Message], tools: list | None, requested: ContextManagement | None,
-                 want_ids: bool = False, engine_form: EngineForm | None = None) -> Prepared:
+                 engine_form: EngineForm | None = None) -> Prepared:
     """The request path's compaction step for any API: the session, the policy (the request's edits
     with the server default's for the kinds it does not name, see ``with_defaults``), then
     ``prepare`` off the event loop."""
     default = default_policy(window, cfg.clear_at, cfg.compact_at) if cfg.context_management else None
     policy = with_defaults(requested, default)
-    return await asyncio.to_thread(ctx.prepare, owner, ref, conversation, tools, policy, want_ids, window or None,
-                                   engine_form)
+    return await asyncio.to_thread(ctx.prepare, owner, ref, conversation, tools, policy, window or None, engine_form)

@@ -99,12 +99,10 @@ class EngineProcess:
         if self.device == "cuda":
             argv += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
         if c.kv_connector:
-            from .kv_reuse import CONNECTOR
+            from .kv_reuse import transfer_config
 
-            cfg = dict(CONNECTOR, kv_connector_extra_config={"store_gib": c.kv_store_gib})
-            # the connector saves a prompt only when it is prefilled in one step
-            argv += ["--kv-transfer-config", json.dumps(cfg),
-                     "--max-num-batched-tokens", str(c.max_model_len or 32768)]
+            argv += ["--kv-transfer-config",
+                     json.dumps(transfer_config(c.kv_hold_fraction, c.kv_hold_ttl_s, c.blend_fraction))]
         if c.enforce_eager if c.enforce_eager is not None else self.device == "cpu":
             argv.append("--enforce-eager")
         return argv + list(c.engine_args)

@@ -59,6 +59,9 @@ def next_round(body: dict, content: str | None, calls: list[dict], results: list
     if body.get("tool_choice") not in (None, "auto", "none"):
         body["tool_choice"] = "auto"
     body.pop("structured_outputs", None)
+    agentkv = (body.get("kv_transfer_params") or {}).get("agentkv")
+    if agentkv:   # the edit was the first round's; this prompt continues that one
+        body["kv_transfer_params"] = {"agentkv": {"session": agentkv["session"]}}
     return body
 
 
@@ -75,11 +78,13 @@ def add_usage(total: dict | None, usage: dict | None) -> dict | None:
 async def completion(engine: EngineClient, body: dict, runner: ToolRunner | None) -> tuple[int, dict, list[dict]]:
     """Non-streamed: (status, the engine's final payload with usage summed over rounds, server
     tool calls run). Raises httpx.TransportError when the engine is unreachable."""
-    usage, annotations = None, []
+    usage, annotations, kv = None, [], None
     for round_ in range((runner.max_rounds if runner else 0) + 1):
         status, payload = await engine.post_json(PATH, body)
         if status != 200:
             return status, payload, annotations
+        found = payload.pop("kv_transfer_params", None)   # the KV connector's report, of the edited round
+        kv = found if round_ == 0 else kv
         usage = add_usage(usage, payload.get("usage"))
         message = payload["choices"][0]["message"]
         ours, theirs = split_calls(message.get("tool_calls") or [])
@@ -97,6 +102,8 @@ async def completion(engine: EngineClient, body: dict, runner: ToolRunner | None
         body = next_round(body, message.get("content"), ours, results)
     if usage is not None:
         payload["usage"] = usage
+    if kv is not None:
+        payload["kv_transfer_params"] = kv
     return 200, payload, annotations
 
 

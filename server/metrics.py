@@ -16,9 +16,11 @@ ENGINE_UP = Gauge("agentkv_engine_up", "1 while the vLLM engine answers /health"
 ENGINE_STARTS = Counter("agentkv_engine_starts", "vLLM engine launches", registry=REGISTRY)
 ENGINE_RESTARTS = Counter("agentkv_engine_restarts", "vLLM engine relaunches after it exited",
                           registry=REGISTRY)
-KV_PLANNED = Counter("agentkv_kv_planned_reuse_tokens", "Tokens the front asked the KV connector to shift "
-                     "after clearing (vllm:external_prefix_cache_hits counts what it supplied)", ["mode"],
-                     registry=REGISTRY)
+KV_EDITS = Counter("agentkv_kv_edits", "Clearing edits sent to the KV connector for reuse (the engine's "
+                   "vllm:agentkv_kv_reused_tokens and vllm:agentkv_kv_fallbacks count what came of them)", ["mode"],
+                   registry=REGISTRY)
+KV_FALLBACKS = Counter("agentkv_kv_fallbacks", "Edits the front recomputed without asking the connector, by "
+                       "reason (connector_disabled: the server runs without it)", ["reason"], registry=REGISTRY)
 KV_PRIMED = Counter("agentkv_kv_primed_tokens", "Prompt tokens of priming requests (placeholders computed "
                     "for shifting)", registry=REGISTRY)
 PROMPT_TOKENS = Counter("agentkv_prompt_tokens", "Chat prompt tokens by how the engine got their K/V "

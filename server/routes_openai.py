@@ -8,7 +8,6 @@ from fastapi.responses import JSONResponse, Response
 
 from . import chat, kv_reuse, server_tools
 from .deps import ContextDep, EngineDep, OwnerDep
-from .errors import APIError
 from .proxy import relay_stream, unavailable
 from .schemas import ChatCompletionRequest, CompletionRequest, forward_body
 from .context import manage
@@ -27,14 +26,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, engine:
         body["tools"] = server_tools.with_server_tools(body.get("tools"))
     prepared = await manage(ctx, cfg, request.app.state.supervisor.max_model_len, owner,
                             session_ref(request.headers, {"session_id": req.session_id, **body}), body["messages"],
-                            body.get("tools"), req.context_management, cfg.kv_connector)
+                            body.get("tools"), req.context_management)
     key, sid = prepared.key, prepared.session_id
     body["messages"] = prepared.messages
-    if cfg.kv_connector:
-        await kv_reuse.attach(request.app.state, engine, body, key, prepared, req.kv_reuse or cfg.kv_reuse)
-    elif req.kv_reuse not in (None, "recompute"):
-        raise APIError(400, "this server recomputes after clearing; start it with --kv-reuse shift or blend "
-                            "to load the KV connector", param="kv_reuse")
+    await kv_reuse.attach(cfg, engine, body, key, prepared, req.kv_reuse)
     runner = chat.ToolRunner(ctx.sessions.log, key, cfg.max_server_tool_rounds) if with_server_tools else None
     handler = chat.stream if body.get("stream") else chat.complete
     response = await handler(engine, body, prepared.report, runner)

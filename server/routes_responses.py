@@ -283,9 +283,6 @@ async def create_response(req: ResponsesRequest, request: Request, engine: Engin
     with_server_tools = req.server_tools if req.server_tools is not None else cfg.server_tools
     if with_server_tools:
         body["tools"] = server_tools.with_server_tools(body.get("tools"))
-    if not cfg.kv_connector and req.kv_reuse not in (None, "recompute"):
-        raise APIError(400, "this server recomputes after clearing; start it with --kv-reuse shift or blend "
-                            "to load the KV connector", param="kv_reuse")
     ref, prior, converted, conversation = await _conversation(request, owner, req)
     if converted.trigger:
         _check_model(model, cfg.model_name)
@@ -299,13 +296,12 @@ async def create_response(req: ResponsesRequest, request: Request, engine: Engin
         return JSONResponse(response, headers={"X-Session-Id": prepared.session_id})
 
     policy, owed = _policy(req, window, cfg.compact_at)
-    prepared = await manage(ctx, cfg, window, owner, ref, conversation, tools.tools, policy, cfg.kv_connector)
+    prepared = await manage(ctx, cfg, window, owner, ref, conversation, tools.tools, policy)
     key, sid = prepared.key, prepared.session_id
     turn = _Turn(request, req, key, prior, converted)
     compaction = _seal(state).item(owner, _after_header(prepared.messages)) if owed and _fired(prepared) else None
     body["messages"] = prepared.messages
-    if cfg.kv_connector:
-        await kv_reuse.attach(state, engine, body, key, prepared, req.kv_reuse or cfg.kv_reuse)
+    await kv_reuse.attach(cfg, engine, body, key, prepared, req.kv_reuse)
     runner = ToolRunner(ctx.sessions.log, key, cfg.max_server_tool_rounds) if with_server_tools else None
     response = _response(req, model)
     response["tools_not_offered"] = tools.not_offered

@@ -67,6 +67,8 @@ class CompletionRequest(_Sampling):
 
 
 AGENTKV_FIELDS = ("context_management", "session_id", "server_tools", "kv_reuse")
+# set by the front only: a client's value could make the KV connector hold or move blocks
+ENGINE_ONLY_FIELDS = ("kv_transfer_params",)
 
 
 def require_utf8(body: dict[str, Any]) -> dict[str, Any]:
@@ -82,6 +84,6 @@ def require_utf8(body: dict[str, Any]) -> dict[str, Any]:
 def forward_body(req: _Sampling, model_name: str) -> dict[str, Any]:
     """The JSON sent on to vLLM: what the client sent (less agentkv's own fields), with the served
     model name filled in."""
-    body = req.model_dump(exclude_unset=True, exclude_none=False, exclude=set(AGENTKV_FIELDS))
+    body = req.model_dump(exclude_unset=True, exclude_none=False, exclude=set(AGENTKV_FIELDS + ENGINE_ONLY_FIELDS))
     body["model"] = req.model or model_name
     return require_utf8(body)

@@ -1,12 +1,17 @@
-"""KV reuse through the real engine: the connector shifts cached K/V after clearing.
+"""KV reuse through the real engine: the connector moves held K/V after clearing.
 
-With the 1-layer embedded model, `shift` must give the next-token logprobs of `recompute`
-(layer-0 K/V are position-shift exact), and must really reuse (more cached tokens)."""
+With the 1-layer embedded model, ``shift`` must give the next-token logprobs of ``recompute``
+(layer-0 K/V are position-shift exact) while really reusing (more cached tokens), with prompts
+prefilled in chunks (a step budget of 512 tokens, prompts of ~1,700). Every way reuse can fail
+falls back to recompute: HTTP 200, recompute's logprobs, the reason in the edit's report and in
+the engine's counters."""
 
 from __future__ import annotations
 
 import json
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 from conftest import start_server
@@ -15,27 +20,37 @@ from agentkv.server.embedded_model import TinyModelSpec, build_model
 
 CLEAR = {"edits": [{"type": "clear_tool_uses", "trigger": 0, "keep": 1}]}
 NONE = {"edits": []}
+STEP_TOKENS = 512
+POOL_BLOCKS = 80          # 128-token blocks: the 8k window plus a little, so one request can need the held ones
+
+
+def tiny_1l(home: Path) -> Path:
+    return build_model(home / "tiny-1l", TinyModelSpec(layers=1))
 
 
 @pytest.fixture(scope="module")
 def shift_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("kv-home")
-    model = build_model(home / "tiny-1l", TinyModelSpec(layers=1))
-    srv = start_server(home, "--model", str(model), "--served-model-name", "agentkv-tiny",
-                       "--kv-reuse", "shift", "--max-model-len", "8192")
+    srv = start_server(home, "--model", str(tiny_1l(home)), "--served-model-name", "agentkv-tiny",
+                       "--kv-reuse", "shift", "--max-model-len", "8192", "--kv-hold-fraction", "0.4",
+                       f"--engine-arg=--max-num-batched-tokens={STEP_TOKENS}",
+                       f"--engine-arg=--num-gpu-blocks-override={POOL_BLOCKS}")
     yield srv
     srv.stop()
 
 
-def conversation() -> list[dict]:
-    msgs = [{"role": "system", "content": "agent"}, {"role": "user", "content": "run the checks"}]
+def conversation(system: str = "agent", lines: int = 70) -> list[dict]:
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "run the checks"}]
     for i, svc in enumerate(("media", "auth", "billing")):
-        out = "\n".join(f"{svc} probe {j}: latency {j * 7 % 300} ms ok" for j in range(70))
+        out = "\n".join(f"{svc} probe {j}: latency {j * 7 % 300} ms ok" for j in range(lines))
         msgs += [{"role": "assistant", "content": None, "tool_calls": [
                      {"id": f"c{i}", "type": "function",
                       "function": {"name": "bash", "arguments": json.dumps({"cmd": f"diag {svc}"})}}]},
                  {"role": "tool", "tool_call_id": f"c{i}", "content": out}]
     return msgs
+
+
+LATER = [{"role": "user", "content": "which service is slow?"}]
 
 
 def ask(server, msgs, sid, cm, mode, **extra):
@@ -51,60 +66,209 @@ def top(body) -> dict[str, float]:
     return {t["token"]: t["logprob"] for t in body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]}
 
 
-def test_shift_equals_recompute_at_layer0_and_reuses(shift_server):
-    msgs = conversation()
-    later = msgs + [{"role": "user", "content": "which service is slow?"}]
-    sid = f"k-{uuid.uuid4().hex[:8]}"
-    ask(shift_server, msgs, sid, NONE, "shift")                       # saved: the source prompt
-    shifted = ask(shift_server, later, sid, CLEAR, "shift")
-    edit = shifted["context_management"]["applied_edits"][0]
-    assert edit["kv"]["mode"] == "shift" and edit["kv"]["planned_reuse_tokens"] > 500
-
-    ref_sid = f"r-{uuid.uuid4().hex[:8]}"
-    ask(shift_server, msgs, ref_sid, NONE, "recompute")
-    recomputed = ask(shift_server, later, ref_sid, CLEAR, "recompute")
-    assert shifted["usage"]["prompt_tokens"] == recomputed["usage"]["prompt_tokens"]
-    a, b = top(shifted), top(recomputed)
-    assert list(a)[0] == list(b)[0]                                     # same top-1
+def same_logprobs(a: dict, b: dict, tol: float = 2e-3) -> None:
+    a, b = top(a), top(b)
+    assert list(a)[0] == list(b)[0]                                    # same top-1
+    assert set(a) & set(b)
     for tok in set(a) & set(b):
-        assert abs(a[tok] - b[tok]) < 2e-3, (tok, a[tok], b[tok])
-    cached_shift = shifted["usage"]["prompt_tokens_details"]["cached_tokens"]
-    cached_ref = recomputed["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached_shift >= cached_ref + 256, (cached_shift, cached_ref)
-    metrics = shift_server.http().get("/metrics").text
-    assert 'agentkv_kv_planned_reuse_tokens_total{mode="shift"}' in metrics
-    hits = [line for line in metrics.splitlines() if line.startswith("vllm:external_prefix_cache_hits_total")]
-    assert hits and float(hits[0].split()[-1]) > 0          # tokens the connector supplied
+        assert abs(a[tok] - b[tok]) < tol, (tok, a[tok], b[tok])
 
 
-def external_hits(server) -> float:
-    """Tokens the connector supplied so far (vLLM's counter)."""
-    text = server.http().get("/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("vllm:external_prefix_cache_hits_total"))
+def recomputed(server, msgs, later) -> dict:
+    sid = f"r-{uuid.uuid4().hex[:8]}"
+    ask(server, msgs, sid, NONE, "recompute")
+    return ask(server, later, sid, CLEAR, "recompute")
+
+
+def kv_report(body) -> dict:
+    return body["context_management"]["applied_edits"][0]["kv"]
+
+
+def cached(body) -> int:
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def metric(server, name: str, **labels) -> float:
+    total = 0.0
+    for line in server.http().get("/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_metric(server, name: str, at_least: float, **labels) -> float:
+    """vLLM records the engine's counters as it processes outputs: wait a moment for them."""
+    deadline = time.monotonic() + 30
+    while (value := metric(server, name, **labels)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return value
+
+
+def test_shift_equals_recompute_at_layer0_and_reuses_with_chunked_prefill(shift_server):
+    msgs = conversation()
+    later = msgs + LATER
+    sid = f"k-{uuid.uuid4().hex[:8]}"
+    first = ask(shift_server, msgs, sid, NONE, "shift")                 # held: the source prompt
+    assert first["usage"]["prompt_tokens"] > 3 * STEP_TOKENS            # prefilled in several steps
+    shifted = ask(shift_server, later, sid, CLEAR, "shift")
+    kv = kv_report(shifted)
+    assert kv["mode"] == "shift" and kv["fallback"] is None and kv["reused_tokens"] >= 768, kv
+    assert kv["primed_tokens"] > 0
+    reference = recomputed(shift_server, msgs, later)
+    assert shifted["usage"]["prompt_tokens"] == reference["usage"]["prompt_tokens"]
+    same_logprobs(shifted, reference)
+    assert cached(shifted) >= cached(reference) + kv["reused_tokens"]
+    assert wait_metric(shift_server, "vllm:agentkv_kv_reused_tokens_total", kv["reused_tokens"]) >= kv["reused_tokens"]
+    assert metric(shift_server, "agentkv_kv_edits_total", mode="shift") >= 1
+    assert metric(shift_server, "vllm:external_prefix_cache_hits_total") >= kv["reused_tokens"]
+
+
+def test_blend_leaves_a_tail_to_recompute(shift_server):
+    msgs = conversation()
+    sid = f"b-{uuid.uuid4().hex[:8]}"
+    ask(shift_server, msgs, sid, NONE, "blend")
+    blended = ask(shift_server, msgs + LATER, sid, CLEAR, "blend")
+    kv = kv_report(blended)
+    assert kv["mode"] == "blend" and kv["fallback"] is None and kv["reused_tokens"] > 0
+    sid2 = f"s-{uuid.uuid4().hex[:8]}"
+    ask(shift_server, msgs, sid2, NONE, "shift")
+    assert kv["reused_tokens"] < kv_report(ask(shift_server, msgs + LATER, sid2, CLEAR, "shift"))["reused_tokens"]
+    same_logprobs(blended, recomputed(shift_server, msgs, msgs + LATER))
 
 
 def test_with_server_tools_the_context_step_sees_the_engines_prompt(shift_server):
-    """Server tools are added before the context step: it counts the prompt the engine gets and
-    hashes the same token ids, so the connector's load checks out instead of falling back."""
+    """Server tools are added before the context step: it counts the prompt the engine gets, and the
+    edit's spans are on the engine's prompt, so the connector reuses instead of falling back."""
     msgs = conversation()
-    later = msgs + [{"role": "user", "content": "which service is slow?"}]
     sid = f"t-{uuid.uuid4().hex[:8]}"
     first = ask(shift_server, msgs, sid, NONE, "shift", server_tools=True)
     assert first["context_management"]["prompt_tokens_before"] == first["usage"]["prompt_tokens"]
-    hits = external_hits(shift_server)
-    shifted = ask(shift_server, later, sid, CLEAR, "shift", server_tools=True)
+    shifted = ask(shift_server, msgs + LATER, sid, CLEAR, "shift", server_tools=True)
     cm = shifted["context_management"]
     (edit,) = cm["applied_edits"]
     assert cm["prompt_tokens_after"] == shifted["usage"]["prompt_tokens"]
     assert cm["prompt_tokens_before"] - cm["prompt_tokens_after"] == edit["cleared_input_tokens"]
-    planned = edit["kv"]["planned_reuse_tokens"]
-    assert planned > 500
-    supplied = external_hits(shift_server) - hits
-    assert supplied >= planned, (supplied, planned)                     # the load was not refused
+    assert edit["kv"]["fallback"] is None and edit["kv"]["reused_tokens"] >= 512, edit["kv"]
 
 
-def test_recompute_only_server_refuses_shift_requests(server):
-    r = server.http().post("/v1/chat/completions", json={
-        "model": "agentkv-tiny", "messages": [{"role": "user", "content": "x"}], "kv_reuse": "shift"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_reuse"
+def test_responses_api_sends_the_edit_and_reports_the_outcome(shift_server):
+    """/v1/responses takes the chat path's KV step: the edit reaches the connector, which reuses."""
+    items = [{"role": "system", "content": "agent"}, {"role": "user", "content": "run the checks"}]
+    for i, svc in enumerate(("media", "auth", "billing")):
+        out = "\n".join(f"{svc} probe {j}: latency {j * 7 % 300} ms ok" for j in range(70))
+        items += [{"type": "function_call", "call_id": f"c{i}", "name": "bash", "arguments": json.dumps({"cmd": svc})},
+                  {"type": "function_call_output", "call_id": f"c{i}", "output": out}]
+    sid = f"resp-{uuid.uuid4().hex[:8]}"
+
+    def respond(inp, cm):
+        r = shift_server.http().post("/v1/responses", headers={"X-Session-Id": sid}, json={
+            "model": "agentkv-tiny", "input": inp, "max_output_tokens": 1, "temperature": 0, "store": False,
+            "context_management": cm, "kv_reuse": "shift"})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    respond(items, NONE)
+    body = respond(items + [{"role": "user", "content": "which service is slow?"}], CLEAR)
+    kv = body["context_management"]["applied_edits"][0]["kv"]
+    assert kv["mode"] == "shift" and kv["fallback"] is None and kv["reused_tokens"] >= 512, kv
+    assert "kv_transfer_params" not in body
+
+
+def fallback(server, reason: str, first: list[dict] | None, later: list[dict], sid: str | None = None,
+             between=None) -> dict:
+    """Clear after ``first`` (None: clearing on the session's first request); the edit must fall back
+    to recompute for ``reason`` with recompute's logprobs."""
+    sid = sid or f"f-{uuid.uuid4().hex[:8]}"
+    before = metric(server, "vllm:agentkv_kv_fallbacks_total", reason=reason)
+    held = ask(server, first, sid, NONE, "shift") if first is not None else None
+    if between is not None:
+        between(held)
+    body = ask(server, later, sid, CLEAR, "shift")
+    assert kv_report(body)["fallback"] == reason and kv_report(body)["reused_tokens"] == 0, kv_report(body)
+    same_logprobs(body, recomputed(server, first or later[:-1], later))
+    assert wait_metric(server, "vllm:agentkv_kv_fallbacks_total", before + 1, reason=reason) == before + 1
+    return body
+
+
+def test_nothing_held_for_a_new_session(shift_server):
+    fallback(shift_server, "not_held", None, conversation() + LATER)
+
+
+def test_prompt_changed_under_the_same_session(shift_server):
+    # the same session id, another conversation: what the session held no longer matches
+    fallback(shift_server, "prompt_changed", conversation("agent, v1"), conversation("other agent, v2") + LATER)
+
+
+def test_evicted_when_the_pool_needs_the_held_blocks(shift_server):
+    def fill_the_pool(held):
+        big = [{"role": "user", "content": "ok " * 3900}]                # ~7,800 tokens
+        r = shift_server.http().post("/v1/chat/completions", json={
+            "model": "agentkv-tiny", "messages": big, "max_tokens": 1, "cache_salt": uuid.uuid4().hex,
+            "context_management": NONE})
+        assert r.status_code == 200, r.text
+        blocks = -(-held["usage"]["prompt_tokens"] // 128)
+        assert r.json()["usage"]["prompt_tokens"] > (POOL_BLOCKS - 1 - blocks) * 128   # more than the free blocks
+
+    fallback(shift_server, "evicted", conversation(), conversation() + LATER, between=fill_the_pool)
+
+
+def test_streamed_shift_is_reused_and_counted(shift_server):
+    msgs = conversation(lines=40)
+    sid = f"st-{uuid.uuid4().hex[:8]}"
+    ask(shift_server, msgs, sid, NONE, "shift")
+    before = metric(shift_server, "vllm:agentkv_kv_reused_tokens_total")
+    with shift_server.http().stream("POST", "/v1/chat/completions", headers={"X-Session-Id": sid}, json={
+            "model": "agentkv-tiny", "messages": msgs + LATER, "max_tokens": 3, "stream": True, "cache_salt": sid,
+            "stream_options": {"include_usage": True}, "context_management": CLEAR, "kv_reuse": "shift"}) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[5:]) for line in r.iter_lines()
+                  if line.startswith("data:") and line.strip() != "data: [DONE]"]
+    assert not any("error" in c for c in chunks)
+    report = next(c["context_management"] for c in chunks if c.get("context_management"))
+    assert report["applied_edits"][0]["kv"]["mode"] == "shift"
+    usage = next(c["usage"] for c in chunks if c.get("usage"))
+    assert wait_metric(shift_server, "vllm:agentkv_kv_reused_tokens_total", before + 128) >= before + 128
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 128
+
+
+def test_recompute_only_server_falls_back_with_a_log_line(server):
+    msgs = conversation(lines=10)
+    r = server.http().post("/v1/chat/completions", headers={"X-Session-Id": f"d-{uuid.uuid4().hex[:8]}"}, json={
+        "messages": msgs + LATER, "max_tokens": 1, "context_management": CLEAR, "kv_reuse": "shift"})
+    assert r.status_code == 200, r.text
+    assert kv_report(r.json()) == {"mode": "recompute", "requested": "shift", "fallback": "connector_disabled"}
+    assert metric(server, "agentkv_kv_fallbacks_total", reason="connector_disabled") >= 1
+    assert "without the KV connector" in server.log_tail(400)
+
+
+# -- servers where reuse cannot work at all: each starts once, runs one clear, and stops ------
+def _dynamic_rope(home: Path) -> Path:
+    model = tiny_1l(home)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 2.0}
+    (model / "config.json").write_text(json.dumps(cfg))
+    return model
+
+
+SPECIAL = {
+    "no_budget": (lambda home: tiny_1l(home), ["--kv-hold-fraction", "0"], {}),
+    "load_failed": (lambda home: tiny_1l(home), [], {"AGENTKV_FAULT_KV_LOAD": "1"}),
+    "unsupported": (_dynamic_rope, [], {}),
+}
+
+
+@pytest.mark.parametrize("reason", sorted(SPECIAL))
+def test_reuse_impossible_falls_back(tmp_path, reason):
+    make_model, flags, env = SPECIAL[reason]
+    srv = start_server(tmp_path, "--model", str(make_model(tmp_path)), "--served-model-name", "agentkv-tiny",
+                       "--kv-reuse", "shift", "--max-model-len", "4096", *flags, env=env)
+    try:
+        msgs = conversation(lines=40)
+        fallback(srv, reason, msgs, msgs + LATER)
+        log = srv.log_tail(2000)
+        expected = {"no_budget": "held-block budget is zero", "load_failed": "vLLM recomputes it",
+                    "unsupported": "shifting disabled"}[reason]
+        assert expected in log
+    finally:
+        srv.stop()

@@ -1,5 +1,6 @@
-"""What the front asks the connector to move: every run maps equal token ids, placeholders come
-from the priming prompt, and coverage is contiguous."""
+"""The connector's planning step: which held tokens supply a new prompt after clearing. Every run
+maps equal token ids, placeholders come from the priming prompt, coverage is contiguous and stops
+where the held prompt stops matching."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import json
 
 from agentkv.compaction.clearing import clear_tool_uses
 from agentkv.compaction.config import ClearToolUses
-from agentkv.kernels.connector import covered_runs, prompt_hash
-from agentkv.server.kv_reuse import plan_reuse
+from agentkv.kernels.plan import Span
+from agentkv.kernels.reuse_plan import PRIME, PROMPT, Run, clip, cover, pieces
 
 
 def conversation(n: int = 3) -> list[dict]:
@@ -20,37 +21,62 @@ def conversation(n: int = 3) -> list[dict]:
     return msgs
 
 
-def test_runs_map_equal_tokens_and_cover_the_cleared_prompt(renderer):
-    src_ids = renderer.render(conversation()).token_ids           # the prompt the engine saved
+def cleared(renderer):
+    held = renderer.render(conversation()).token_ids                 # the prompt the engine held
     later = conversation() + [{"role": "user", "content": "and now?"}]
     r = clear_tool_uses(later, renderer, ClearToolUses(trigger=0, keep=1))
-    assert r.edits
-    plan = plan_reuse("src", src_ids, r.old_ids, r.new_ids, r.edits, "shift", 0.15)
-    sources = {"src": src_ids, plan.prime_key: plan.prime_ids}
-    for key, a, b, d in plan.load["runs"]:
-        assert sources[key][a:b] == r.new_ids[d:d + (b - a)]
-    assert plan.load["hash"] == prompt_hash(r.new_ids) and plan.load["recompute_tail"] == 0
-    runs, end = covered_runs(plan.load["runs"], r.edits[0].start, len(r.new_ids))
-    # everything the saved prompt holds is covered, up to its generation prompt (which the next
-    # prompt replaces with the new user turn)
-    shrink = sum(e.end - e.start - len(e.replacement_ids) for e in r.edits)
-    assert end >= len(src_ids) - shrink - 3
-    assert plan.planned_tokens > 0
-    blend = plan_reuse("src", src_ids, r.old_ids, r.new_ids, r.edits, "blend", 0.5)
-    assert blend.load["recompute_tail"] > 0 and blend.planned_tokens < plan.planned_tokens
+    assert len(r.edits) == 2
+    spans = [Span(e.start, e.end, len(e.replacement_ids)) for e in r.edits]
+    prime = r.old_ids[:r.edits[0].start] + [t for e in r.edits for t in e.replacement_ids]
+    return held, prime, spans, r
 
 
-def test_nothing_to_reuse_when_the_source_diverges_before_the_first_edit(renderer):
-    later = conversation() + [{"role": "user", "content": "x"}]
-    r = clear_tool_uses(later, renderer, ClearToolUses(trigger=0, keep=1))
-    plan = plan_reuse("src", [1, 2, 3], r.old_ids, r.new_ids, r.edits, "shift", 0.0)
-    assert plan.load is None and plan.prime_ids is None
+def test_runs_map_equal_tokens_and_cover_what_the_held_prompt_had(renderer):
+    held, prime, spans, r = cleared(renderer)
+    start = r.edits[0].start // 16 * 16                             # a block-aligned local prefix hit
+    cov = cover(r.new_ids, [held, prime], spans, start, len(r.new_ids) - 1)
+    sources = {PROMPT: held, PRIME: prime}
+    assert cov.runs[0].dst_start == start and cov.runs[0].source == PROMPT and cov.runs[0].delta == 0
+    pos = start
+    for run in cov.runs:                                            # contiguous, equal ids
+        assert run.dst_start == pos
+        assert sources[run.source][run.src_start:run.src_start + run.length] == \
+            r.new_ids[run.dst_start:run.dst_start + run.length]
+        pos += run.length
+    assert pos == cov.end
+    assert {run.source for run in cov.runs} == {PROMPT, PRIME}
+    assert sum(run.length for run in cov.runs if run.source == PRIME) == sum(s.replacement for s in spans)
+    # kept tokens shift down by what the spans removed; everything the held prompt had is covered
+    # up to its generation prompt, which the new prompt continues with the assistant's turn
+    shrink = sum(s.end - s.start - s.replacement for s in spans)
+    assert cov.runs[-1].delta == -shrink
+    assert len(held) - shrink - 3 <= cov.end <= len(held) - shrink
+    assert cov.stop in ("mismatch", None)
 
 
-def test_covered_runs_stops_at_gaps_and_limit():
-    runs = [["a", 0, 10, 0], ["b", 5, 8, 10], ["a", 20, 30, 15]]
-    out, end = covered_runs(runs, 4, 100)
-    assert end == 13 and out == [("a", 4, 10, 4), ("b", 5, 8, 10)]      # gap at 13..15
-    out, end = covered_runs(runs, 0, 7)
-    assert end == 7 and out == [("a", 0, 7, 0)]
-    assert covered_runs(runs, 40, 100) == ([], 40)
+def test_coverage_stops_where_a_source_is_missing_or_differs(renderer):
+    held, prime, spans, r = cleared(renderer)
+    start = r.edits[0].start
+    no_prime = cover(r.new_ids, [held, None], spans, start, len(r.new_ids) - 1)
+    assert no_prime.end == start and no_prime.stop == "missing" and no_prime.runs == []
+    changed = list(held)
+    k = r.edits[1].end + 5                                          # a kept token after the second span
+    changed[k] += 1
+    cov = cover(r.new_ids, [changed, prime], spans, start, len(r.new_ids) - 1)
+    shift = sum(s.delta for s in spans)
+    assert cov.end == k + shift and cov.stop == "mismatch"
+    other = cover(r.new_ids, [[t + 1 for t in held], prime], spans, 0, len(r.new_ids) - 1)
+    assert other.end == 0 and other.stop == "mismatch"
+
+
+def test_pieces_tile_the_new_prompt():
+    spans = [Span(10, 20, 2), Span(30, 31, 4)]                      # -8, then +3
+    assert pieces(spans, 100) == [(0, 10, PROMPT, 0), (10, 12, PRIME, 0), (12, 22, PROMPT, 8),
+                                  (22, 26, PRIME, -10), (26, 100, PROMPT, 5)]
+    assert pieces([], 7) == [(0, 7, PROMPT, 0)]
+
+
+def test_clip_cuts_runs_at_the_end():
+    runs = [Run(PROMPT, 0, 0, 10), Run(PRIME, 10, 10, 5), Run(PROMPT, 30, 15, 20)]
+    assert clip(runs, 12) == [Run(PROMPT, 0, 0, 10), Run(PRIME, 10, 10, 2)]
+    assert clip(runs, 0) == []

@@ -1,0 +1,119 @@
+"""The connector inside a real vLLM engine, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+so both sides can be inspected: a session of clears reuses held blocks with recompute's logprobs
+(1 layer), the scheduler side holds exactly the session's last prompt in vLLM's pool, and the
+worker side holds no K/V tensors of its own — only views of the tensors vLLM registered."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+import torch
+
+from agentkv.compaction.clearing import clear_tool_uses
+from agentkv.compaction.config import ClearToolUses
+from agentkv.compaction.prompt import PromptRenderer
+from agentkv.server.embedded_model import TinyModelSpec, build_model
+from agentkv.server.kv_reuse import transfer_config
+
+STEP_TOKENS = 256
+
+
+def turn(i: int) -> list[dict]:
+    out = "\n".join(f"check {i}.{j}: latency {(i * 31 + j * 7) % 400} ms" for j in range(40))
+    return [{"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"c{i}", "type": "function", "function": {"name": "bash", "arguments": json.dumps({"n": i})}}]},
+            {"role": "tool", "tool_call_id": f"c{i}", "content": out}]
+
+
+def worker_tensors(worker) -> dict:
+    """Tensors reachable from the worker's connector, and the shapes of those that are not views of
+    vLLM's KV caches."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    registered = {t.untyped_storage().data_ptr() for t in worker.model_runner.kv_caches}
+    seen, found, own = set(), 0, []
+    stack = [get_kv_transfer_group()]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, type)) or obj is None:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found += 1
+            if obj.untyped_storage().data_ptr() not in registered:
+                own.append(list(obj.shape))
+        elif isinstance(obj, dict):
+            stack += list(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack += list(obj)
+        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("agentkv"):
+            stack += list(vars(obj).values())
+    return {"tensors": found, "own": own}
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    model = build_model(tmp_path_factory.mktemp("inproc") / "tiny-1l", TinyModelSpec(layers=1))
+    engine = LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=4096,
+                 enable_prefix_caching=True, max_num_batched_tokens=STEP_TOKENS, num_gpu_blocks_override=80,
+                 kv_transfer_config=KVTransferConfig(**transfer_config(0.5, 300.0, 0.15)))
+    yield engine, PromptRenderer.from_pretrained(str(model))
+    engine.llm_engine.engine_core.shutdown()
+    del engine
+    gc.collect()
+    mp.undo()
+
+
+def generate(llm, ids: list[int], params: dict | None, salt: str):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, temperature=0, logprobs=5,
+                        extra_args={"kv_transfer_params": {"agentkv": params}} if params else None)
+    out = llm.generate({"prompt_token_ids": ids, "cache_salt": salt}, sp, use_tqdm=False)[0]
+    return {k: v.logprob for k, v in out.outputs[0].logprobs[0].items()}, out.num_cached_tokens, out.kv_transfer_params
+
+
+def test_a_session_of_clears_moves_held_blocks_and_keeps_no_kv_of_its_own(llm):
+    engine, renderer = llm
+    scheduler = engine.llm_engine.engine_core.engine_core.scheduler
+    held = scheduler.connector.scheduler.held
+    bs = held.block_size
+    msgs = [{"role": "system", "content": "agent"}, {"role": "user", "content": "run the checks"}]
+    msgs += turn(0) + turn(1)
+    session = {"session": "s1"}
+    generate(engine, renderer.render(msgs).token_ids, session, "a")
+    for i in range(2, 5):                                    # three clears, one per turn
+        msgs = msgs + turn(i)
+        r = clear_tool_uses(msgs, renderer, ClearToolUses(trigger=0, keep=2))
+        assert r.edits
+        msgs = r.messages
+        spans = [[e.start, e.end, len(e.replacement_ids)] for e in r.edits]
+        prime = r.old_ids[:r.edits[0].start] + [t for e in r.edits for t in e.replacement_ids]
+        generate(engine, prime, {**session, "prime": True}, "a")
+        assert held.get("s1", "prime") is not None and held.get("s1", "prompt") is not None
+        got, cached, report = generate(engine, r.new_ids, {**session, "spans": spans, "mode": "shift"}, "a")
+        want, ref_cached, _ = generate(engine, r.new_ids, None, f"ref{i}")
+        assert report["agentkv"]["fallback"] is None and report["agentkv"]["reused_tokens"] >= bs, report
+        assert cached >= ref_cached + report["agentkv"]["reused_tokens"]
+        assert max(got, key=got.get) == max(want, key=want.get)
+        for tok in set(got) & set(want):
+            assert abs(got[tok] - want[tok]) < 2e-3
+        # the session now holds its last prompt, nothing else
+        assert held.get("s1", "prime") is None
+        assert held.get("s1", "prompt").token_ids.tolist() == r.new_ids
+        assert held.held_blocks == -(-len(r.new_ids) // bs)
+    stats = engine.collective_rpc(worker_tensors)
+    # views of vLLM's K and V, and of its own only RoPE's inverse frequencies (head_dim 32 / 2)
+    assert all(s["tensors"] >= 3 and s["own"] == [[16]] for s in stats), stats
+    held.forget_all()
+    assert held.held_blocks == 0
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1          # every block back (but the null block)
