@@ -139,8 +139,8 @@ def plot(rows: list[dict], title: str):
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="agentkv bench clear-vs-recompute", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="two small contexts (smoke test)")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 7000],
-                    help="prompt sizes before clearing (default fits SmolLM2's 8192-token window)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096],
+                    help="conversation sizes to build, in estimated tokens before clearing (SmolLM2's tokenizer makes them about a third larger; the default fits its 8192-token window)")
     ap.add_argument("--model", default=DEFAULT_MODEL,
                     help=f"model of the server started for the run (default: {DEFAULT_MODEL}; agentkv-tiny-1l: "
                          "the exactness model)")
