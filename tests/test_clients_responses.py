@@ -79,9 +79,9 @@ remote_compaction = "v2"
     events = jsonl(second.stdout)
     assert any(e["type"] == "turn.completed" for e in events)
     assert [e for e in events if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"]
-    compaction_items = [line for line in second.stderr.splitlines()
-                        if "SSE event" in line and '"response.output_item.done"' in line and '"type": "compaction"' in line]
-    assert len(compaction_items) == 1, second.stderr[-3000:]
+    sse = [json.loads(line.split("SSE event: ", 1)[1]) for line in second.stderr.splitlines() if "SSE event: {" in line]
+    compaction_items = [e["item"] for e in sse if e["type"] == "response.output_item.done" and e["item"]["type"] == "compaction"]
+    assert len(compaction_items) == 1, [e["type"] for e in sse]
 
     log = session_log(wide_server, thread)
     texts = [(m["role"], m["content"]) for m in log]
