@@ -5,8 +5,7 @@ Loaded by vLLM through its public connector API (``server/engine.py`` builds the
     --kv-transfer-config '{"kv_connector": "AgentKVConnector", "kv_role": "kv_both",
                            "kv_connector_module_path": "agentkv.kernels.connector",
                            "kv_load_failure_policy": "recompute",
-                           "kv_connector_extra_config": {"hold_fraction": 0.25, "hold_ttl_s": 300,
-                                                         "blend_fraction": 0.15}}'
+                           "kv_connector_extra_config": {"hold_fraction": 0.25, "hold_ttl_s": 300}}'
 
 vLLM makes one instance in the scheduler process (role SCHEDULER) and one per worker (role
 WORKER, one per tensor-parallel rank); they share nothing but the per-step metadata. The
@@ -46,7 +45,7 @@ try:  # vLLM's logger, so the connector's lines appear in the engine log
 except ImportError:  # pragma: no cover
     log = logging.getLogger("vllm.agentkv_connector")
 
-DEFAULTS = {"hold_fraction": 0.25, "hold_ttl_s": 300.0, "blend_fraction": 0.15}
+DEFAULTS = {"hold_fraction": 0.25, "hold_ttl_s": 300.0}
 
 
 @dataclass
@@ -65,8 +64,7 @@ class AgentKVConnector(KVConnectorBase_V1):
         self.mover: KVMover | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = ReuseScheduler(vllm_config.cache_config.block_size, unsupported,
-                                            float(extra["hold_fraction"]), float(extra["hold_ttl_s"]),
-                                            float(extra["blend_fraction"]))
+                                            float(extra["hold_fraction"]), float(extra["hold_ttl_s"]))
         else:
             self.mover = KVMover(rope)
         self._failed_blocks: set[int] = set()

@@ -4,11 +4,14 @@ Per request, the front sends ``kv_transfer_params = {"agentkv": {...}}`` (``para
 
 - ``"session": S`` -- when this request finishes, hold its prompt blocks as S's prompt; when it
   is scheduled, S's older entries are given back (it read them, or never needed them);
-- ``"prime": true`` -- hold it as S's priming prompt instead, and give nothing back;
-- ``"spans": [[start, end, replacement], ...]`` with ``"mode": "shift" | "blend"`` -- the edit
-  between S's held prompt and this one (positions of the held prompt). The connector claims the
-  K/V it can supply (``reuse_plan.cover``) right after vLLM's own prefix hit; ``blend`` leaves the
-  last ``blend_fraction`` of that range to vLLM. Anything it cannot supply is computed by vLLM.
+- ``"prime": true`` -- hold it as S's priming prompt instead, and give nothing back; its response
+  says the block size and how many tokens of S's prompt are held (``held_tokens``);
+- ``"spans": [[start, end, replacement], ...]`` -- the edit between S's held prompt and this one
+  (positions of the held prompt). The connector claims the K/V it can supply
+  (``reuse_plan.cover``) right after vLLM's own prefix hit, up to ``"limit"`` (a position of this
+  prompt) when given; anything it does not supply is computed by vLLM;
+- ``"pass": true`` -- one of the front's blend passes (a prefix of the next prompt, sent to have a
+  range recomputed in the middle): S's held entries stay held, and this prompt is not held.
 
 The outcome of an edit (tokens reused, or why it fell back) goes back with the finished request
 (its ``kv_transfer_params``) and into the counters of ``connector_stats``.
@@ -42,7 +45,8 @@ class Params:
     session: str
     prime: bool = False
     spans: tuple[Span, ...] = ()
-    blend: bool = False
+    limit: int | None = None     # supply nothing at or after this position of the new prompt
+    keep: bool = False           # a blend pass: hold nothing, give nothing back
 
 
 def params_of(kv_transfer_params: dict | None) -> Params | None:
@@ -53,7 +57,9 @@ def params_of(kv_transfer_params: dict | None) -> Params | None:
         return None
     try:
         spans = tuple(Span(int(s), int(e), int(n)) for s, e, n in raw.get("spans") or ())
-        return Params(str(raw["session"]), bool(raw.get("prime", False)), spans, raw.get("mode") == "blend")
+        limit = raw.get("limit")
+        return Params(str(raw["session"]), bool(raw.get("prime", False)), spans,
+                      None if limit is None else int(limit), bool(raw.get("pass", False)))
     except (KeyError, TypeError, ValueError) as exc:
         log.warning("agentkv connector: ignoring malformed kv_transfer_params (%s)", exc)
         return None
@@ -84,7 +90,6 @@ class ReuseScheduler:
     unsupported: str | None          # why nothing can be shifted in this engine, or None
     hold_fraction: float
     ttl_s: float
-    blend_fraction: float
     held: HeldBlocks | None = None
     claims: dict[str, Claim] = field(default_factory=dict)
     loading: dict[str, LoadSpec] = field(default_factory=dict)
@@ -137,11 +142,9 @@ class ReuseScheduler:
         if repin and self.held.pool.get_num_free_blocks() - repin < need:
             return None, "evicted"                   # memory pressure: its blocks are needed
         ids = request.prompt_token_ids or []
-        cov = cover(ids, [None if e is None else e.token_ids for e in entries], p.spans, start, len(ids) - 1)
-        end = cov.end
-        if p.blend:
-            end -= int(self.blend_fraction * max(0, end - max(p.spans[0].start, start)))
-        end = end // self.block_size * self.block_size
+        limit = len(ids) - 1 if p.limit is None else min(p.limit, len(ids) - 1)
+        cov = cover(ids, [None if e is None else e.token_ids for e in entries], p.spans, start, limit)
+        end = cov.end // self.block_size * self.block_size
         if end <= start:
             if cov.stop == "missing":
                 return None, self.held.missing_reason(p.session)
@@ -183,7 +186,7 @@ class ReuseScheduler:
                 self.loading[new.req_id] = spec
             sp = new.sampling_params
             p = params_of((sp.extra_args or {}).get("kv_transfer_params") if sp is not None else None)
-            if p is not None and not p.prime:
+            if p is not None and not p.prime and not p.keep:
                 self.held.drop(p.session)
         self.held.expire()
         if loads:
@@ -212,10 +215,14 @@ class ReuseScheduler:
         ok = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
                                 RequestStatus.FINISHED_REPETITION)
         prompt = request.prompt_token_ids or []
-        if (p is not None and ok and self.held is not None and self.unsupported is None
+        if (p is not None and not p.keep and ok and self.held is not None and self.unsupported is None
                 and request.num_computed_tokens >= len(prompt)):
             self.held.hold(p.session, PRIME if p.prime else PROMPT, np.asarray(prompt, dtype=np.int64), block_ids)
         outcome = self.outcomes.pop(request.request_id, None)
+        if p is not None and p.prime and self.held is not None:   # what the front's blend plans need
+            entry = self.held.get(p.session, PROMPT)
+            return {"agentkv": {"block_size": self.block_size,
+                                "held_tokens": 0 if entry is None else len(entry.token_ids)}}
         if outcome is None:
             return None
         if outcome.fallback:

@@ -64,6 +64,9 @@ class ServeConfig(BaseModel):
     kv_reuse: Literal["recompute", "shift", "blend"] = Field(
         "recompute", description="after clearing: recompute (exact), shift cached K/V with the kernel, or "
                                  "blend (shift, recompute a tail); shift/blend load agentkv's vLLM KV connector")
+    blend_strategy: Literal["tail", "cuts", "deviation"] = Field(
+        "tail", description="blend: which moved blocks are recomputed: the last (tail), the first after each cut "
+                            "(cuts, EPIC-like) or those whose early-layer K/V moved most (deviation, CacheBlend-like)")
     blend_fraction: float = Field(0.15, ge=0, le=1, description="blend: fraction of the moved tokens recomputed")
     kv_hold_fraction: float = Field(0.25, ge=0, le=1, description="connector: share of the KV pool that may hold "
                                     "sessions' last prompt blocks for their next turn (0: hold nothing, recompute)")

@@ -102,7 +102,7 @@ class EngineProcess:
             from .kv_reuse import transfer_config
 
             argv += ["--kv-transfer-config",
-                     json.dumps(transfer_config(c.kv_hold_fraction, c.kv_hold_ttl_s, c.blend_fraction))]
+                     json.dumps(transfer_config(c.kv_hold_fraction, c.kv_hold_ttl_s))]
         if c.enforce_eager if c.enforce_eager is not None else self.device == "cpu":
             argv.append("--enforce-eager")
         return argv + list(c.engine_args)

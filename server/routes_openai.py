@@ -29,7 +29,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, engine:
                             body.get("tools"), req.context_management)
     key, sid = prepared.key, prepared.session_id
     body["messages"] = prepared.messages
-    await kv_reuse.attach(cfg, engine, body, key, prepared, req.kv_reuse)
+    await kv_reuse.attach(cfg, engine, body, key, prepared, req.kv_reuse, req.kv_blend,
+                          request.app.state.supervisor.model_path)
     runner = chat.ToolRunner(ctx.sessions.log, key, cfg.max_server_tool_rounds) if with_server_tools else None
     handler = chat.stream if body.get("stream") else chat.complete
     response = await handler(engine, body, prepared.report, runner)

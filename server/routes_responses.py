@@ -33,6 +33,7 @@ from .compaction_item import CompactionSeal, load_key
 from .context import Prepared, manage
 from .deps import ContextDep, EngineDep, OwnerDep
 from .engine_stream import ToolRunner
+from .kv_blend import KVBlend
 from .errors import APIError
 from .responses_format import HEADER_ROLES, ChatTools, new_id, to_chat_tool_choice, to_chat_tools, to_messages
 from .responses_stream import Answer, complete, finish_response, replay, stream
@@ -88,6 +89,7 @@ class ResponsesRequest(_Input):
     context_management: list[CompactionSetting] | ContextManagement | None = None
     server_tools: bool | None = None
     kv_reuse: Literal["recompute", "shift", "blend"] | None = None
+    kv_blend: KVBlend | None = None
 
 
 class CompactRequest(_Input):
@@ -301,7 +303,8 @@ async def create_response(req: ResponsesRequest, request: Request, engine: Engin
     turn = _Turn(request, req, key, prior, converted)
     compaction = _seal(state).item(owner, _after_header(prepared.messages)) if owed and _fired(prepared) else None
     body["messages"] = prepared.messages
-    await kv_reuse.attach(cfg, engine, body, key, prepared, req.kv_reuse)
+    await kv_reuse.attach(cfg, engine, body, key, prepared, req.kv_reuse, req.kv_blend,
+                          request.app.state.supervisor.model_path)
     runner = ToolRunner(ctx.sessions.log, key, cfg.max_server_tool_rounds) if with_server_tools else None
     response = _response(req, model)
     response["tools_not_offered"] = tools.not_offered

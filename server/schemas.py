@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..compaction.policy import ContextManagement
 from .errors import APIError
+from .kv_blend import KVBlend
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -60,13 +61,14 @@ class ChatCompletionRequest(_Sampling):
     session_id: str | None = None
     server_tools: bool | None = None
     kv_reuse: Literal["recompute", "shift", "blend"] | None = None
+    kv_blend: KVBlend | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
 
 
-AGENTKV_FIELDS = ("context_management", "session_id", "server_tools", "kv_reuse")
+AGENTKV_FIELDS = ("context_management", "session_id", "server_tools", "kv_reuse", "kv_blend")
 # set by the front only: a client's value could make the KV connector hold or move blocks
 ENGINE_ONLY_FIELDS = ("kv_transfer_params",)
 

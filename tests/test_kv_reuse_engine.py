@@ -272,3 +272,33 @@ def test_reuse_impossible_falls_back(tmp_path, reason):
         assert expected in log
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("strategy", ["tail", "cuts", "deviation"])
+def test_blend_strategies_recompute_whole_blocks_with_passes(shift_server, strategy):
+    """Each strategy recomputes its share of the moved blocks (a range in the middle through a
+    pass, whose blocks the request then hits) and still gives recompute's logprobs."""
+    msgs = conversation()
+    sid = f"bs-{uuid.uuid4().hex[:8]}"
+    blend = {"strategy": strategy, "fraction": 0.3}
+    ask(shift_server, msgs, sid, NONE, "blend", kv_blend=blend)
+    blended = ask(shift_server, msgs + LATER, sid, CLEAR, "blend", kv_blend=blend)
+    kv = kv_report(blended)
+    assert kv["mode"] == "blend" and kv["strategy"] == strategy and kv["fraction"] == 0.3
+    assert kv["fallback"] is None and "blend_error" not in kv, kv
+    assert kv["block_size"] == 128 and kv["recompute_tokens"] % 128 == 0 and kv["recompute_tokens"] >= 128
+    assert kv["movable_tokens"] > kv["recompute_tokens"]
+    if strategy == "cuts":   # the blocks after the first cut sit in the middle: a pass recomputes them
+        assert kv["passes"] >= 1 and kv["pass_computed_tokens"] >= 128 * kv["passes"]
+        assert kv["reused_tokens"] > 0   # after the pass, from its blocks on
+    if strategy == "deviation":
+        assert kv["probe_s"] > 0
+    assert kv["reused_tokens"] + kv["pass_reused_tokens"] > 0
+    same_logprobs(blended, recomputed(shift_server, msgs, msgs + LATER))
+
+
+def test_blend_field_out_of_range_is_a_400(shift_server):
+    r = shift_server.http().post("/v1/chat/completions", json={
+        "model": "agentkv-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "kv_reuse": "blend", "kv_blend": {"strategy": "tail", "fraction": 1.5}})
+    assert r.status_code == 400 and "kv_blend" in r.text and "fraction" in r.text, r.text
