@@ -115,6 +115,7 @@ BENCHMARKS = {
     "delayed-recall": "agentkv.benchmarks.delayed_recall",
     "probe": "agentkv.benchmarks.probe",
     "clear-vs-recompute": "agentkv.benchmarks.clear_vs_recompute",
+    "fidelity": "agentkv.benchmarks.fidelity",
     "load": "agentkv.benchmarks.load",
     "connector-cost": "agentkv.benchmarks.connector_cost",
     "front": "agentkv.benchmarks.front",

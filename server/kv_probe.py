@@ -2,9 +2,9 @@
 from what recomputing would give, measured at an early layer.
 
 Layer 0's K/V depend only on the token and its position, so moving them is exact; from layer 1 on
-they carry the context, which clearing changed. The probe runs the model's first two decoder
-layers (transformers, on the front's CPU, weights of those layers only) over the old prompt, the
-priming prompt and the new prompt, takes layer 1's keys and values before RoPE (a rotation keeps
+they carry the context, which clearing changed. The probe runs the model's first decoder
+layer (transformers, on the front's CPU, weights of layers 0 and 1 only) over the old prompt, the
+priming prompt and the new prompt, and takes layer 1's keys and values before RoPE (a rotation keeps
 norms, so pre-RoPE differences equal the rotated ones) and scores each new position by
 ``|K_new - K_src| + |V_new - V_src|`` against the position its K/V would be moved from.
 """
@@ -36,12 +36,14 @@ class Probe:
         config.num_hidden_layers = self.layer + 1               # only these layers' weights are loaded
         if getattr(config, "layer_types", None):
             config.layer_types = config.layer_types[:self.layer + 1]
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32).model
-        self.model.eval()
-        attn = self.model.layers[self.layer].self_attn
-        self._kv: dict[str, object] = {}
-        attn.k_proj.register_forward_hook(lambda m, i, o: self._kv.__setitem__("k", o))
-        attn.v_proj.register_forward_hook(lambda m, i, o: self._kv.__setitem__("v", o))
+        model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32).model
+        model.eval()
+        self.target = model.layers[self.layer]          # only its norm and K/V projections run
+        model.layers = torch.nn.ModuleList(list(model.layers)[:self.layer])
+        source = model.layers[-1] if self.layer else model.embed_tokens
+        self._h: list = [None]
+        source.register_forward_hook(lambda m, i, o: self._h.__setitem__(0, o[0] if isinstance(o, tuple) else o))
+        self.model = model
         log.info("deviation probe: layers 0..%d of %s loaded in %.1f s", self.layer, model_path,
                  time.perf_counter() - t0)
 
@@ -53,7 +55,9 @@ class Probe:
             return np.zeros((0, 0), dtype=np.float32)
         with torch.inference_mode():
             self.model(input_ids=torch.tensor([ids]), use_cache=False)
-            return torch.cat([self._kv["k"][0], self._kv["v"][0]], dim=-1).float().numpy()
+            x = self.target.input_layernorm(self._h[0][0])
+            attn = self.target.self_attn
+            return torch.cat([attn.k_proj(x), attn.v_proj(x)], dim=-1).float().numpy()
 
     def deviation(self, old_ids: list[int], prime_ids: list[int], sp: Splice) -> np.ndarray:
         """Per new position: the distance between its recomputed and its moved layer-1 K/V
