@@ -101,16 +101,15 @@ class Endpoint:
             self.proc.wait(timeout=120)
 
     def _start(self) -> None:
-        import socket
         import subprocess
         import sys
         import time
 
         import httpx
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from ..server.engine import free_port
+
+        port = free_port()
         self.proc = subprocess.Popen([sys.executable, "-m", "agentkv.server.cli", "serve", "--port", str(port),
                                       *self.serve_args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{port}"

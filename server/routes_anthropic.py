@@ -132,7 +132,6 @@ async def messages(req: MessagesRequest, request: Request, engine: EngineDep, ow
             return _unavailable(exc)
         if status != 200:
             return _error(status, payload)
-        observe_usage(payload.get("usage"))
         return JSONResponse(message(payload, compaction, extra_fields(prepared.report, calls)), headers=headers)
 
     chat = with_usage(chat)

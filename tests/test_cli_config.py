@@ -52,6 +52,8 @@ def test_environment_sets_fields_and_flags_win(monkeypatch):
     (["--port", "70000"], "--port"),
     (["--device", "tpu"], "invalid choice"),
     (["--kv-cache-gib", "0"], "--kv-cache-gib"),
+    (["--blend-strategy", "middle"], "invalid choice"),
+    (["--blend-fraction", "1.5"], "--blend-fraction"),
     (["--engine-arg=--api-key=mine"], "--engine-arg: Value error, the engine's key is agentkv's own"),
 ])
 def test_bad_flags_exit_2_with_a_message(args, needle, tmp_path):
