@@ -180,7 +180,7 @@ def llama_phase(binary: Path, renderer, seeds: list[int], uses: list[int]) -> li
 def aggregate(rows: list[dict]) -> list[dict]:
     """Per engine, conversation size and mode: accuracies summed over seeds, medians of timings."""
     out = []
-    keys = sorted({(r["engine"], r["uses"], r["mode"]) for r in rows}, key=lambda k: (k[1], k[0], k[2]))
+    keys = sorted(dict.fromkeys((r["engine"], r["uses"], r["mode"]) for r in rows), key=lambda k: k[1])  # run order
     for engine, n, mode in keys:
         rs = [r for r in rows if (r["engine"], r["uses"], r["mode"]) == (engine, n, mode)]
         agg = {"engine": engine, "uses": n, "mode": mode, "strategy": rs[0]["strategy"], "fraction": rs[0]["fraction"],
