@@ -92,11 +92,18 @@ def _pct(v) -> str:
     return "-" if v is None else f"{100 * v:.0f}%"
 
 
+def _mode_order(x: dict) -> tuple:
+    """recompute, shift, each blend strategy by fraction, then the peer."""
+    kinds = ["recompute", "shift", "tail", "cuts", "deviation"]
+    kind = x["strategy"] if x["strategy"] in kinds else None
+    return (x["uses"], kind is None, kinds.index(kind) if kind else 0, x.get("fraction") or 0, x["mode"])
+
+
 def _fidelity(r: dict) -> str:
     rows = [[x["uses"], x["prompt_tokens"], x["mode"], x["ttft_s"], x["recomputed_tokens"],
              f"{_pct(x['kept_acc'])} of {x['kept_n']}", _pct(x["near_acc"]), _pct(x["far_acc"]),
              f"{_pct(x['ghost_acc'])} of {x['ghost_n']}", x.get("kl_top"), _pct(x.get("top1_agree")),
-             _pct(x.get("greedy_match"))] for x in r["summary"]]
+             _pct(x.get("greedy_match"))] for x in sorted(r["summary"], key=_mode_order)]
     d = r["decision"]
     verdict = "; ".join(f"{v['mode']}: {v['points_below_recompute']:+.1f} points below, {v['ttft_speedup']:.2f}x"
                         for v in d["modes"])

@@ -71,3 +71,32 @@ def test_request_field_is_validated():
     for bad in ({"strategy": "middle"}, {"fraction": 1.5}, {"fraction": -0.1}, {"ratio": 0.1}):
         with pytest.raises(ValidationError):
             KVBlend(**bad)
+
+
+def test_probe_reads_layer_one_kv_as_the_whole_model_computes_it(tiny_model_dir):
+    """The probe runs layer 0 only, then layer 1's norm and K/V projections: the same numbers as
+    the whole model's layer 1 (hooked), and deviations are zero where nothing moves."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentkv.server.kv_probe import Probe
+
+    probe = Probe(str(tiny_model_dir))
+    ids = [(i * 37) % 2000 + 5 for i in range(300)]
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).model
+    seen = {}
+    attn = model.layers[1].self_attn
+    attn.k_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("k", o))
+    attn.v_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("v", o))
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids]), use_cache=False)
+    np.testing.assert_allclose(probe.kv(ids), torch.cat([seen["k"][0], seen["v"][0]], -1).numpy(), atol=1e-5)
+
+    old = ids[:200]
+    edits = [Edit(40, 80, (7, 8))]
+    sp = splice(old, edits)
+    dev = probe.deviation(old, old[:40] + [7, 8], sp)
+    assert dev.shape == (len(sp.ids),) and not dev[:40].any()
+    assert dev[42:].max() > 0        # kept tokens after the cut lost context: their layer-1 K/V moved
+    same = probe.deviation(old, old[:40], splice(old, [Edit(40, 40, ())]))   # an empty edit moves nothing
+    assert np.allclose(same, 0, atol=1e-4)
