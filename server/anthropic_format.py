@@ -50,7 +50,7 @@ FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 # passes through (vLLM's own sampling extensions: seed, repetition_penalty, structured_outputs, ...)
 MAPPED = {"model", "messages", "system", "max_tokens", "stream", "tools", "tool_choice", "stop_sequences",
           "temperature", "top_p", "top_k", "metadata", "thinking", "output_config", "service_tier",
-          "container", "mcp_servers", "context_management", "session_id", "server_tools"}
+          "container", "mcp_servers", "context_management", "session_id", "server_tools", "kv_reuse", "kv_blend"}
 
 
 def _whole(block: dict) -> dict:

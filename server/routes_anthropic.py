@@ -20,13 +20,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..compaction.policy import ContextManagement
-from . import server_tools
+from . import kv_reuse, server_tools
 from .anthropic_format import chat_request, conversation, engine_message, tools_to_openai
 from .anthropic_stream import EventStream, error_event, message, paused
 from .context import manage
 from .deps import ContextDep, EngineDep, OwnerDep
 from .engine_stream import EngineStream, ToolRunner, completion, extra_fields, open_stream, with_usage
 from .errors import anthropic_error_body
+from .kv_blend import KVBlend
 from .metrics import observe_usage
 from .proxy import unavailable_message
 from .schemas import require_utf8
@@ -69,6 +70,8 @@ class MessagesRequest(_Conversation):
     stream: bool = False
     session_id: str | None = None
     server_tools: bool | None = None
+    kv_reuse: Literal["recompute", "shift", "blend"] | None = None   # default: the server's --kv-reuse
+    kv_blend: KVBlend | None = None
 
 
 @functools.lru_cache(maxsize=8)
@@ -124,10 +127,12 @@ async def messages(req: MessagesRequest, request: Request, engine: EngineDep, ow
             return StreamingResponse(iter(events), media_type="text/event-stream", headers=headers)
         return JSONResponse(paused(model, compaction, extra_fields(prepared.report, [])), headers=headers)
     chat = chat_request(body, model, prepared.messages, engine_tools)
+    await kv_reuse.attach(cfg, engine, chat, prepared.key, prepared, req.kv_reuse, req.kv_blend,
+                          request.app.state.supervisor.model_path)
     runner = ToolRunner(ctx.sessions.log, prepared.key, cfg.max_server_tool_rounds) if on else None
     if not req.stream:
         try:
-            status, payload, calls = await completion(engine, chat, runner)
+            status, payload, calls = await completion(engine, chat, runner, prepared.report)
         except httpx.TransportError as exc:
             return _unavailable(exc)
         if status != 200:

@@ -302,3 +302,34 @@ def test_blend_field_out_of_range_is_a_400(shift_server):
         "model": "agentkv-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
         "kv_reuse": "blend", "kv_blend": {"strategy": "tail", "fraction": 1.5}})
     assert r.status_code == 400 and "kv_blend" in r.text and "fraction" in r.text, r.text
+
+
+def test_anthropic_messages_reuse_kv_with_the_servers_default_mode(shift_server):
+    """/v1/messages (what Claude Code sends: Anthropic's clearing edit, no agentkv fields) gets the
+    server's --kv-reuse: the clear's K/V is moved, and the outcome is in the edit's report."""
+    msgs = [{"role": "user", "content": "run the checks"}]
+    for i, svc in enumerate(("media", "auth", "billing")):
+        out = "\n".join(f"{svc} probe {j}: latency {j * 7 % 300} ms ok" for j in range(70))
+        msgs += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_{i}", "name": "bash",
+                                                    "input": {"cmd": f"diag {svc}"}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": out}]}]
+    tools = [{"name": "bash", "description": "run a command",
+              "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}}}]
+    clear = {"edits": [{"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 1},
+                        "keep": {"type": "tool_uses", "value": 1}}]}
+    sid = f"a-{uuid.uuid4().hex[:8]}"
+
+    def send(messages, cm):
+        r = shift_server.http().post("/v1/messages", headers={"X-Session-Id": sid}, json={
+            "model": "agentkv-tiny", "system": "agent", "messages": messages, "tools": tools, "max_tokens": 1,
+            "temperature": 0, "context_management": cm})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    send(msgs, {"edits": []})
+    body = send(msgs[:-1] + [{"role": "user", "content": msgs[-1]["content"] + [
+        {"type": "text", "text": "which service is slow?"}]}], clear)
+    (edit,) = body["context_management"]["applied_edits"]
+    assert edit["type"] == "clear_tool_uses_20250919" and edit["cleared_tool_uses"] == 2
+    assert edit["kv"]["mode"] == "shift" and edit["kv"]["fallback"] is None and edit["kv"]["reused_tokens"] > 0, edit
+    assert body["usage"]["cache_read_input_tokens"] >= edit["kv"]["reused_tokens"]
