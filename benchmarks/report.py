@@ -113,7 +113,9 @@ def _fidelity(r: dict) -> str:
             + f"\n\n{r['questions']} questions per mode (seeds: {len(r['seeds'])}; KV block size {r['block_size']}). "
             f"At the largest size ({d['prompt_tokens']} tokens; recompute {_pct(d['recompute_kept_acc'])} right, "
             f"TTFT {d['recompute_ttft_s']:.2f} s): {verdict}. Within 1 point of recompute at >= 3x lower TTFT: "
-            f"**{meeting}**.")
+            f"**{meeting}**."
+            + (f" agentkv's rows were measured at {r['agentkv_measured_at']}, llama.cpp's (re-run with "
+               f"`--peer-only`) at {r['measured_at']}." if r.get("agentkv_measured_at") else ""))
 
 
 def _load(r: dict) -> str:
