@@ -64,7 +64,7 @@ def llm(tmp_path_factory):
     model = build_model(tmp_path_factory.mktemp("inproc") / "tiny-1l", TinyModelSpec(layers=1))
     engine = LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=4096,
                  enable_prefix_caching=True, max_num_batched_tokens=STEP_TOKENS, num_gpu_blocks_override=80,
-                 kv_transfer_config=KVTransferConfig(**transfer_config(0.5, 300.0, 0.15)))
+                 kv_transfer_config=KVTransferConfig(**transfer_config(0.5, 300.0)))
     yield engine, PromptRenderer.from_pretrained(str(model))
     engine.llm_engine.engine_core.shutdown()
     del engine
