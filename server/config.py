@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..compaction.session_log import is_postgres_url
 from .embedded_model.names import DEFAULT_MODEL
+from .kv_blend import Strategy
 
 
 def agentkv_home() -> Path:
@@ -64,7 +65,7 @@ class ServeConfig(BaseModel):
     kv_reuse: Literal["recompute", "shift", "blend"] = Field(
         "recompute", description="after clearing: recompute (exact), shift cached K/V with the kernel, or "
                                  "blend (shift, recompute a tail); shift/blend load agentkv's vLLM KV connector")
-    blend_strategy: Literal["tail", "cuts", "deviation"] = Field(
+    blend_strategy: Strategy = Field(
         "tail", description="blend: which moved blocks are recomputed: the last (tail), the first after each cut "
                             "(cuts, EPIC-like) or those whose early-layer K/V moved most (deviation, CacheBlend-like)")
     blend_fraction: float = Field(0.15, ge=0, le=1, description="blend: fraction of the moved tokens recomputed")

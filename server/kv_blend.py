@@ -8,7 +8,8 @@ the top ones are recomputed:
 - ``tail``: the last blocks;
 - ``cuts`` (EPIC-like): the first blocks after each cut, round robin over the cuts;
 - ``deviation`` (CacheBlend-like): the blocks whose early-layer K/V moved most, measured by a
-  probe (``kv_probe``) that runs the model's first two layers on the old and the new prompt.
+  probe (``kv_probe``) that runs the model's layer 0 and layer 1's K/V projections on the old, the
+  priming and the new prompt.
 
 vLLM's connector API supplies one contiguous range right after the prefix hit and vLLM computes
 the rest. A range recomputed in the middle therefore takes a *pass*: a one-token request for the
@@ -21,13 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 Strategy = Literal["tail", "cuts", "deviation"]
-STRATEGIES: tuple[str, ...] = ("tail", "cuts", "deviation")
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
 
 class KVBlend(BaseModel):
@@ -89,7 +90,7 @@ def candidates(sp: Splice, block_size: int, end: int) -> range:
     return range(sp.first // block_size, min(end, len(sp.ids) - 1) // block_size)
 
 
-def budget_blocks(fraction: float, blocks: range, block_size: int) -> int:
+def budget_blocks(fraction: float, blocks: range) -> int:
     """Blocks recomputed for ``fraction`` of the movable blocks (at least one when above zero)."""
     if fraction <= 0 or not blocks:
         return 0
@@ -142,7 +143,7 @@ class Plan:
 def plan(strategy: str, fraction: float, sp: Splice, block_size: int, held_tokens: int,
          deviation: np.ndarray | None = None) -> Plan:
     blocks = candidates(sp, block_size, movable_end(sp, held_tokens))
-    chosen = rank(strategy, sp, blocks, block_size, deviation)[:budget_blocks(fraction, blocks, block_size)]
+    chosen = rank(strategy, sp, blocks, block_size, deviation)[:budget_blocks(fraction, blocks)]
     ranges = holes(chosen, block_size)
     limit = None
     if ranges and ranges[-1][1] >= blocks.stop * block_size:

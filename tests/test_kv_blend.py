@@ -56,8 +56,8 @@ def test_each_strategy_ranks_the_moved_blocks():
 
 def test_plans_recompute_the_fraction_in_whole_blocks():
     sp = splice(OLD, EDITS)
-    assert budget_blocks(0.0, range(5, 15), 8) == 0 and budget_blocks(0.01, range(5, 15), 8) == 1
-    assert budget_blocks(0.3, range(5, 15), 8) == 3
+    assert budget_blocks(0.0, range(5, 15)) == 0 and budget_blocks(0.01, range(5, 15)) == 1
+    assert budget_blocks(0.3, range(5, 15)) == 3
     tail = plan("tail", 0.3, sp, 8, 200)           # one request: its own limit, no pass
     assert tail.passes == [] and tail.limit == 12 * 8 and tail.recompute_tokens == 24 and tail.movable_tokens == 80
     cuts = plan("cuts", 0.3, sp, 8, 200)           # blocks 5, 7, 6 -> one range in the middle: one pass
