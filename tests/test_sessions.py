@@ -98,3 +98,24 @@ def test_concurrent_requests_on_one_session_append_each_message_once(log_target)
     assert logs[0].history("o/s") == turns[-1]
     assert logs[1].history("o/" + derived_id(turns[-1])) == turns[-1]
     assert logs[0].states_like("o/" + derived_id(turns[-1])).keys() == {"o/" + derived_id(turns[-1])}
+
+
+def test_forks_found_by_key_range_not_a_scan(log_target):
+    """A derived session's forks are one key range of the views' primary key: neighbours of the
+    name are left out, and the lookup uses the index (its cost does not grow with the sessions stored)."""
+    log = open_session_log(log_target)
+    names = ["o/ab", "o/ab.1", "o/ab.12", "o/ab.x", "o/a", "o/abc", "o/ab-1", "o/ab/1", "o/ab0", "p/ab", "o/AB.1"]
+    for n in names:
+        log.put_state(n, {"name": n})
+    assert log.states_like("o/ab") == {n: {"name": n} for n in ["o/ab", "o/ab.1", "o/ab.12", "o/ab.x"]}
+    assert log.states_like("o/zz") == {}
+    with log.lock:
+        if log_target.startswith("postgres"):
+            log.conn.execute("SET enable_seqscan = off")   # a table this small is scanned unless told
+            plan = log.conn.execute("EXPLAIN " + log.FORKS_SQL.replace("?", "%s"), ("o/ab", "o/ab/")).fetchall()
+            log.conn.execute("RESET enable_seqscan")
+            assert "views_session_bytes" in str(plan), plan
+        else:
+            plan = log.conn.execute("EXPLAIN QUERY PLAN " + log.FORKS_SQL, ("o/ab", "o/ab/")).fetchall()
+            assert "USING INDEX" in str(plan) and "session>? AND session<?" in str(plan), plan
+    log.close()
