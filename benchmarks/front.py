@@ -9,13 +9,18 @@ relay against the same engine reached directly.
    for them) with the renderer's segments and with whole renders (as before), plus the request
    body's own path (JSON, validation, the body sent on). Also at the largest size: one new
    message of 100..10k tokens, so the time is seen growing with what is new.
-2. **Relay** (a real engine): streamed chat completions decoding ``--tokens`` tokens each
+2. **Relay** (a real engine, one server per ``--models``: SmolLM2, whose decode is bound by the
+   model as on an accelerator, and the 2-layer tiny model, whose decode is bound by vLLM's own
+   Python, the front's worst case): streamed chat completions decoding ``--tokens`` tokens each
    (``ignore_eos``), ``--concurrency`` at a time, each a new conversation, through agentkv and
-   straight to its vLLM (port and secret read from the engine process the server started, or
-   ``--engine-url`` and ``--engine-key``), interleaved A B B A over ``--rounds``: aggregate decode
-   tokens/s (all streams' tokens after their first, over the time from the first first token to
-   the last token; median over rounds), end-to-end tokens/s (all tokens over the batch's wall time, TTFT
-   included) and TTFT p50 (all requests) of each.
+   straight to its vLLM (its Unix socket and secret read from the engine process the server
+   started, or ``--engine-url`` (``http://...`` or ``unix:PATH``) and ``--engine-key``), interleaved
+   A B B A over ``--rounds``: aggregate decode tokens/s (all streams' tokens after their first, over
+   the time from the first first token to the last token; median over rounds), end-to-end tokens/s
+   (all tokens over the batch's wall time, TTFT included), TTFT p50 (all requests) and, when the
+   benchmark started the server, the CPU time per streamed event of each process (the front, vLLM's
+   API server, its engine core and workers): the front's own cost, which the machine's noise does
+   not blur the way it blurs wall times.
 
 Usage: ``agentkv bench front [--quick] [--url URL --api-key KEY --engine-url URL --engine-key KEY]``.
 """
@@ -32,8 +37,7 @@ import time
 import uuid
 from pathlib import Path
 
-import httpx
-
+from ..server.embedded_model.names import SMOLLM2, TINY
 from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, pyplot, write_results
 
 SYSTEM = ("You are a coding agent working in a large Python repository. Read before you edit, run the tests "
@@ -180,8 +184,9 @@ def prompt_rows(renderer_of, sizes: list[int], turns: int, new_sizes: list[int])
 
 # -- 2. relay ------------------------------------------------------------------------------------
 def engine_of(pid: int) -> tuple[str, str]:
-    """(URL, secret) of the vLLM engine under the agentkv server process ``pid``: its port from the
-    engine's argv, its secret from its environment (``VLLM_API_KEY``; readable by the same user)."""
+    """(address, secret) of the vLLM engine under the agentkv server process ``pid``: its Unix socket
+    from the engine's argv (``unix:PATH``), its secret from its environment (``VLLM_API_KEY``;
+    readable by the same user)."""
     import psutil
 
     for child in psutil.Process(pid).children(recursive=True):
@@ -189,12 +194,50 @@ def engine_of(pid: int) -> tuple[str, str]:
             argv, env = child.cmdline(), child.environ()
         except psutil.Error:
             continue
-        if "VLLM_API_KEY" in env and "--port" in argv and "vllm.entrypoints.openai.api_server" in argv:
-            return f"http://127.0.0.1:{argv[argv.index('--port') + 1]}", env["VLLM_API_KEY"]
+        if "VLLM_API_KEY" in env and "--uds" in argv and "vllm.entrypoints.openai.api_server" in argv:
+            return f"unix:{argv[argv.index('--uds') + 1]}", env["VLLM_API_KEY"]
     raise RuntimeError(f"no vLLM engine under process {pid}")
 
 
-async def _one(client: httpx.AsyncClient, model: str, tokens: int, rng: random.Random) -> dict:
+def processes(pid: int) -> dict[str, list]:
+    """The agentkv server ``pid``'s processes by role: the front, vLLM's API server, its engine
+    core and its model workers (psutil processes)."""
+    import psutil
+
+    front = psutil.Process(pid)
+    roles: dict[str, list] = {"front": [front], "vllm api server": [], "engine core": [], "worker": []}
+    for child in front.children(recursive=True):
+        try:
+            name, argv = child.name(), " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        role = ("vllm api server" if "vllm.entrypoints.openai.api_server" in argv else
+                "engine core" if name.startswith("VLLM::EngineCor") else
+                "worker" if name.startswith("VLLM::Worker") else None)
+        if role:
+            roles[role].append(child)
+    return roles
+
+
+def cpu_seconds(roles: dict[str, list]) -> dict[str, float]:
+    """User + system CPU seconds used so far by each role's processes (all their threads)."""
+    return {role: sum(sum(p.cpu_times()[:2]) for p in procs) for role, procs in roles.items()}
+
+
+def _session(target: str, key: str | None):
+    """An aiohttp session for ``http://host:port`` or ``unix:PATH`` (the engine's socket), and its URL."""
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    connector = aiohttp.UnixConnector(path=target[5:], limit=0) if target.startswith("unix:") else \
+        aiohttp.TCPConnector(limit=0)
+    url = "http://engine" if target.startswith("unix:") else target
+    return aiohttp.ClientSession(connector=connector, headers=headers,
+                                 timeout=aiohttp.ClientTimeout(total=600)), url
+
+
+async def _one(session, url: str, model: str, tokens: int, rng: random.Random) -> dict:
+    """One streamed request; the time of every event that carries content, the usage's token count."""
     words = " ".join(rng.choice(WORDS) for _ in range(24))
     body = {"model": model, "messages": [{"role": "system", "content": f"Agent {uuid.uuid4().hex}."},
                                          {"role": "user", "content": f"Continue: {words}"}],
@@ -202,40 +245,42 @@ async def _one(client: httpx.AsyncClient, model: str, tokens: int, rng: random.R
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
-    usage = None
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data:") or line == "data: [DONE]":
+    usage, events = None, 0
+    async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.read())[:300]!r}")
+        async for line in r.content:   # SSE lines (the client's own cost kept small: it shares the CPU)
+            if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
                 continue
-            chunk = json.loads(line[5:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk.get("choices") and (chunk["choices"][0].get("delta") or {}).get("content") is not None:
+            events += 1
+            if b'"usage":{' in line:
+                usage = json.loads(line[5:])["usage"]
+            if b'"content":"' in line:
                 last = time.perf_counter()
                 first = first or last
     if usage is None or first is None:
         raise RuntimeError("a stream ended without tokens or usage")
-    return {"ttft_s": first - t0, "tokens": usage["completion_tokens"], "first": first, "end": last}
+    return {"ttft_s": first - t0, "tokens": usage["completion_tokens"], "first": first, "end": last, "events": events}
 
 
-async def _batch(url: str, key: str | None, model: str, concurrency: int, tokens: int, seed: int) -> dict:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
+async def _batch(target: str, key: str | None, model: str, concurrency: int, tokens: int, seed: int) -> dict:
+    session, url = _session(target, key)
+    async with session:
         rng = random.Random(seed)
         t0 = time.perf_counter()
-        res = await asyncio.gather(*(_one(client, model, tokens, rng) for _ in range(concurrency)))
+        res = await asyncio.gather(*(_one(session, url, model, tokens, rng) for _ in range(concurrency)))
     wall = max(r["end"] for r in res) - t0
     # decode: every stream's tokens after its first, over the time from the first first token to the
     # last token (a relay that holds tokens back and sends them in bursts does not look faster)
     decode = sum(r["tokens"] - 1 for r in res) / (max(r["end"] for r in res) - min(r["first"] for r in res))
-    return {"tok_s": decode, "e2e_tok_s": sum(r["tokens"] for r in res) / wall, "ttft": [r["ttft_s"] for r in res]}
+    return {"tok_s": decode, "e2e_tok_s": sum(r["tokens"] for r in res) / wall, "ttft": [r["ttft_s"] for r in res],
+            "events": sum(r["events"] for r in res)}
 
 
 def relay_rows(front: tuple[str, str | None], engine: tuple[str, str], model: str, levels: list[int],
-               tokens: int, rounds: int, progress) -> list[dict]:
+               tokens: int, rounds: int, progress, roles: dict[str, list] | None = None) -> list[dict]:
+    """A/B rounds at each concurrency; with ``roles`` (the server's processes) also the CPU each
+    role used per streamed event, through agentkv and direct."""
     targets = {"agentkv": front, "engine": engine}
     asyncio.run(_batch(*front, model, 2, 4, seed=0))  # warm both paths
     asyncio.run(_batch(*engine, model, 2, 4, seed=0))
@@ -244,32 +289,49 @@ def relay_rows(front: tuple[str, str | None], engine: tuple[str, str], model: st
         got: dict[str, list[dict]] = {"agentkv": [], "engine": []}
         for r in range(rounds):
             for name in (("agentkv", "engine") if r % 2 == 0 else ("engine", "agentkv")):
-                got[name].append(asyncio.run(_batch(*targets[name], model, c, tokens, seed=1000 * c + r)))
+                before = cpu_seconds(roles) if roles else {}
+                batch = asyncio.run(_batch(*targets[name], model, c, tokens, seed=1000 * c + r))
+                if roles:
+                    after = cpu_seconds(roles)
+                    batch["cpu_s"] = {k: after[k] - before[k] for k in after}
+                got[name].append(batch)
                 progress()
         for name, batches in got.items():
             ttft = [t for b in batches for t in b["ttft"]]
-            rows.append({"part": "relay", "target": name, "concurrency": c, "tokens_per_request": tokens,
-                         "decode_tok_s": statistics.median(b["tok_s"] for b in batches),
-                         "decode_tok_s_rounds": [round(b["tok_s"], 1) for b in batches],
-                         "e2e_tok_s": statistics.median(b["e2e_tok_s"] for b in batches),
-                         "ttft_p50_ms": statistics.median(ttft) * 1e3,
-                         "ttft_p90_ms": sorted(ttft)[int(0.9 * (len(ttft) - 1))] * 1e3})
+            row = {"part": "relay", "target": name, "concurrency": c, "tokens_per_request": tokens,
+                   "decode_tok_s": statistics.median(b["tok_s"] for b in batches),
+                   "decode_tok_s_rounds": [round(b["tok_s"], 1) for b in batches],
+                   "e2e_tok_s": statistics.median(b["e2e_tok_s"] for b in batches),
+                   "e2e_tok_s_rounds": [round(b["e2e_tok_s"], 1) for b in batches],
+                   "ttft_p50_ms": statistics.median(ttft) * 1e3,
+                   "ttft_p90_ms": sorted(ttft)[int(0.9 * (len(ttft) - 1))] * 1e3,
+                   "events": sum(b["events"] for b in batches)}
+            if roles:   # CPU microseconds per streamed event, all rounds together
+                row["cpu_us_per_event"] = {k: 1e6 * sum(b["cpu_s"][k] for b in batches) / row["events"]
+                                           for k in batches[0]["cpu_s"]}
+            rows.append(row)
     return rows
 
 
 def relay_summary(rows: list[dict]) -> list[dict]:
-    """agentkv against the engine at each concurrency: throughput ratio and TTFT difference."""
+    """agentkv against the engine, per model and concurrency: throughput ratios, TTFT difference and
+    (where measured) the front's CPU per streamed event beside vLLM's own API server's."""
     out = []
-    for c in sorted({r["concurrency"] for r in rows}):
-        a = next(r for r in rows if r["concurrency"] == c and r["target"] == "agentkv")
-        e = next(r for r in rows if r["concurrency"] == c and r["target"] == "engine")
-        out.append({"concurrency": c, "agentkv_tok_s": a["decode_tok_s"], "engine_tok_s": e["decode_tok_s"],
-                    "throughput_ratio": a["decode_tok_s"] / e["decode_tok_s"],
-                    "e2e_ratio": a["e2e_tok_s"] / e["e2e_tok_s"],
-                    "agentkv_ttft_p50_ms": a["ttft_p50_ms"], "engine_ttft_p50_ms": e["ttft_p50_ms"],
-                    "ttft_p50_extra_ms": a["ttft_p50_ms"] - e["ttft_p50_ms"],
-                    "within_goal": a["decode_tok_s"] >= 0.95 * e["decode_tok_s"]
-                    and a["ttft_p50_ms"] - e["ttft_p50_ms"] <= 5.0})
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for c in sorted({r["concurrency"] for r in rows if r["model"] == model}):
+            a, e = (next(r for r in rows if r["model"] == model and r["concurrency"] == c and r["target"] == t)
+                    for t in ("agentkv", "engine"))
+            row = {"model": model, "concurrency": c, "agentkv_tok_s": a["decode_tok_s"],
+                   "engine_tok_s": e["decode_tok_s"], "throughput_ratio": a["decode_tok_s"] / e["decode_tok_s"],
+                   "e2e_ratio": a["e2e_tok_s"] / e["e2e_tok_s"],
+                   "agentkv_ttft_p50_ms": a["ttft_p50_ms"], "engine_ttft_p50_ms": e["ttft_p50_ms"],
+                   "ttft_p50_extra_ms": a["ttft_p50_ms"] - e["ttft_p50_ms"],
+                   "within_goal": a["decode_tok_s"] >= 0.95 * e["decode_tok_s"]
+                   and a["ttft_p50_ms"] - e["ttft_p50_ms"] <= 5.0}
+            if "cpu_us_per_event" in a:
+                row["front_cpu_us_per_event"] = a["cpu_us_per_event"]["front"]
+                row["vllm_api_cpu_us_per_event"] = e["cpu_us_per_event"]["vllm api server"]
+            out.append(row)
     return out
 
 
@@ -287,10 +349,11 @@ def plot(prompt: list[dict], summary: list[dict], relay: list[dict], title: str)
     a.set_xlabel("conversation tokens (one new turn a request)")
     a.set_ylabel("front time per request (ms)")
     a.legend(fontsize=8)
-    for name, style in (("agentkv", "o-"), ("engine", "s--")):
-        rs = [r for r in relay if r["target"] == name]
-        b.plot([r["concurrency"] for r in rs], [r["decode_tok_s"] for r in rs], style, label=name)
-        c.plot([r["concurrency"] for r in rs], [r["ttft_p50_ms"] for r in rs], style, label=name)
+    for model in dict.fromkeys(r["model"] for r in relay):
+        for name, style in (("agentkv", "o-"), ("engine", "s--")):
+            rs = [r for r in relay if r["target"] == name and r["model"] == model]
+            b.plot([r["concurrency"] for r in rs], [r["decode_tok_s"] for r in rs], style, label=f"{model}: {name}")
+            c.plot([r["concurrency"] for r in rs], [r["ttft_p50_ms"] for r in rs], style, label=f"{model}: {name}")
     for ax, label in ((b, "aggregate decode tokens/s"), (c, "TTFT p50 (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent streams")
@@ -313,7 +376,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--tokens", type=int, default=64, help="decoded tokens per request (relay part)")
     ap.add_argument("--rounds", type=int, default=4, help="A/B rounds per concurrency (relay part)")
-    ap.add_argument("--model", default="agentkv-tiny", help="served model when the benchmark starts the server")
+    ap.add_argument("--models", nargs="+", default=[SMOLLM2, TINY],
+                    help="served models, one server each, when the benchmark starts the server (relay part)")
     ap.add_argument("--engine-url", help="the engine behind --url (default: read from the server started here)")
     ap.add_argument("--engine-key", help="its secret")
     ap.add_argument("--parts", nargs="+", choices=["prompt", "relay"], default=["prompt", "relay"],
@@ -322,14 +386,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.quick:
         args.sizes, args.turns, args.new_sizes = [2_000, 8_000], 3, [4, 40]
-        args.concurrency, args.tokens, args.rounds = [1, 4], 8, 2
+        args.concurrency, args.tokens, args.rounds, args.models = [1, 4], 8, 2, [TINY]
     if args.url and "relay" in args.parts and not (args.engine_url and args.engine_key):
         ap.error("--url needs --engine-url and --engine-key (the engine that server runs on)")
     from tqdm import tqdm
 
     from ..compaction.prompt import KnownMessages, PromptRenderer
     from ..server.embedded_model.catalog import model_dir
-    from ..server.embedded_model.names import SMOLLM2
 
     path = args.tokenizer or str(model_dir(SMOLLM2))
     tokenizer = PromptRenderer.from_pretrained(path, segments=False).tokenizer
@@ -342,22 +405,24 @@ def main(argv: list[str] | None = None) -> dict:
         return r
 
     prompt = prompt_rows(renderer, args.sizes, args.turns, args.new_sizes) if "prompt" in args.parts else []
-    relay, model = [], None
-    if "relay" in args.parts:
-        with Endpoint(args.url, args.api_key, () if args.url else ("--model", args.model)) as ep:
+    relay = []
+    for served in ([None] if args.url else args.models) if "relay" in args.parts else []:
+        with Endpoint(args.url, args.api_key, () if args.url else ("--model", served)) as ep:
             engine = (args.engine_url, args.engine_key) if args.url else engine_of(ep.proc.pid)
             model = ep.model()["id"]
-            bar = tqdm(total=len(args.concurrency) * args.rounds * 2, desc="relay A/B")
-            relay = relay_rows((ep.url, ep.api_key), engine, model, args.concurrency, args.tokens, args.rounds,
-                               lambda: bar.update())
+            bar = tqdm(total=len(args.concurrency) * args.rounds * 2, desc=f"relay A/B, {model}")
+            rows = relay_rows((ep.url, ep.api_key), engine, model, args.concurrency, args.tokens, args.rounds,
+                              lambda: bar.update(), roles=None if args.url else processes(ep.proc.pid))
+            relay += [{"model": model, **r} for r in rows]
             bar.close()
     summary = relay_summary(relay) if relay else []
     m = machine()
     tok_name = Path(path).name
-    result = {"machine": m, "tokenizer": tok_name, "model": model, "prompt": prompt, "relay": relay,
+    models = list(dict.fromkeys(r["model"] for r in relay))
+    result = {"machine": m, "tokenizer": tok_name, "models": models, "prompt": prompt, "relay": relay,
               "relay_summary": summary}
     name = "front" + ("-quick" if args.quick else "")
-    fig = plot(prompt, summary, relay, f"agentkv front: prompt work ({tok_name}) and relay ({model})\n"
+    fig = plot(prompt, summary, relay, f"agentkv front: prompt work ({tok_name}) and relay ({', '.join(models)})\n"
                                        f"{machine_line(m)}")
     jpath, ppath = write_results(name, result, fig, args.out)
     print_table(f"front time per request ({tok_name})",
@@ -365,13 +430,15 @@ def main(argv: list[str] | None = None) -> dict:
                 [[r["part"], r["mode"], r["tokens"], r.get("messages", ""),
                   r.get("new_tokens", r.get("new_tokens_per_request", "")), r.get("cold_ms", ""), r["per_request_ms"],
                   r["per_request_cpu_ms"]] for r in prompt], machine_line(m))
-    if summary:
+    for model in models:
         print_table(f"relay through agentkv vs the engine ({model}, {args.tokens} tokens a request)",
                     ["streams", "agentkv decode tok/s", "engine decode tok/s", "ratio", "end-to-end ratio",
-                     "agentkv TTFT p50 ms", "engine TTFT p50 ms", "goal met"],
+                     "agentkv TTFT p50 ms", "engine TTFT p50 ms", "front CPU us/event", "vLLM API CPU us/event",
+                     "goal met"],
                     [[s["concurrency"], s["agentkv_tok_s"], s["engine_tok_s"], s["throughput_ratio"], s["e2e_ratio"],
-                      s["agentkv_ttft_p50_ms"], s["engine_ttft_p50_ms"], s["within_goal"]] for s in summary],
-                    machine_line(m))
+                      s["agentkv_ttft_p50_ms"], s["engine_ttft_p50_ms"], s.get("front_cpu_us_per_event", ""),
+                      s.get("vllm_api_cpu_us_per_event", ""), s["within_goal"]]
+                     for s in summary if s["model"] == model], machine_line(m))
     print(f"wrote {jpath} and {ppath}")
     return result
 

@@ -153,10 +153,13 @@ def _front(r: dict) -> str:
         tokens = r["relay"][0]["tokens_per_request"]
         out += (f"\n\nRelay, streamed, {tokens} tokens a request, through agentkv vs the engine directly "
                 "(A/B interleaved, median over rounds):\n\n")
-        out += table(["streams", "agentkv decode tok/s", "engine decode tok/s", "ratio", "end-to-end ratio",
-                      "agentkv TTFT p50 ms", "engine TTFT p50 ms", "TTFT p50 extra ms", "goal met"],
-                     [[x["concurrency"], x["agentkv_tok_s"], x["engine_tok_s"], x["throughput_ratio"], x["e2e_ratio"],
-                       x["agentkv_ttft_p50_ms"], x["engine_ttft_p50_ms"], x["ttft_p50_extra_ms"], x["within_goal"]]
+        out += table(["model", "streams", "agentkv decode tok/s", "engine decode tok/s", "ratio", "end-to-end ratio",
+                      "agentkv TTFT p50 ms", "engine TTFT p50 ms", "TTFT p50 extra ms", "front CPU µs/event",
+                      "vLLM API server CPU µs/event", "goal met"],
+                     [[x.get("model", r.get("model")), x["concurrency"], x["agentkv_tok_s"], x["engine_tok_s"],
+                       x["throughput_ratio"], x["e2e_ratio"], x["agentkv_ttft_p50_ms"], x["engine_ttft_p50_ms"],
+                       x["ttft_p50_extra_ms"], x.get("front_cpu_us_per_event", "-"),
+                       x.get("vllm_api_cpu_us_per_event", "-"), x["within_goal"]]
                       for x in r["relay_summary"]])
     return out
 

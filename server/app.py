@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from contextlib import asynccontextmanager
 
-import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from ..compaction.session_log import open_session_log
 from .config import ServeConfig
-from .deps import Authorized, SupervisorDep
+from .deps import Authorized, SupervisorDep, warm_context
 from .errors import install_error_handlers
 from .limits import BodyLimit
 from .metrics import RequestMetrics, render
+from .proxy import EngineUnavailable
 from .routes_anthropic import router as anthropic_router
 from .routes_openai import router as openai_router
 from .routes_responses import router as responses_router
@@ -27,7 +28,9 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.supervisor.start()
+        warm = asyncio.create_task(warm_context(app.state))
         yield
+        warm.cancel()
         await app.state.supervisor.stop()
 
     app = FastAPI(title="agentkv", version="0.1.0", lifespan=lifespan)
@@ -66,7 +69,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         if sup.healthy() and sup.client is not None:
             try:
                 _, engine_text = await sup.client.get_text("/metrics")
-            except httpx.TransportError:
+            except EngineUnavailable:
                 engine_text = ""
         return Response(render(engine_text), media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .engine_stream import EngineStream, ToolRunner, completion, encode_json, extra_fields, open_stream, with_usage
 from .metrics import observe_usage
-from .proxy import EngineClient, unavailable
+from .proxy import EngineClient, EngineUnavailable, unavailable
 
 __all__ = ["ToolRunner", "complete", "stream"]
 
@@ -19,7 +18,7 @@ __all__ = ["ToolRunner", "complete", "stream"]
 async def complete(engine: EngineClient, body: dict, report: dict | None, runner: ToolRunner | None) -> Response:
     try:
         status, payload, annotations = await completion(engine, body, runner, report)
-    except httpx.TransportError as exc:
+    except EngineUnavailable as exc:
         return unavailable(exc)
     if status != 200:
         return JSONResponse(payload, status_code=status)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -16,6 +17,8 @@ from fastapi import Depends, Request
 from .errors import APIError
 from .proxy import EngineClient
 from .supervisor import Supervisor
+
+log = logging.getLogger("agentkv.deps")
 
 
 async def get_supervisor(request: Request) -> Supervisor:
@@ -48,6 +51,16 @@ async def get_context(request: Request, engine: Annotated[EngineClient, Depends(
     if getattr(state, "context", None) is None:
         await asyncio.to_thread(_make_context, state)
     return state.context
+
+
+async def warm_context(state) -> None:
+    """Build the context manager (its tokenizer, transformers' import: seconds) while the engine
+    starts, so the first request does not wait for it; a failure here is the first request's to report."""
+    await state.supervisor.model_known.wait()
+    try:
+        await asyncio.to_thread(_make_context, state)
+    except Exception:  # noqa: BLE001 - get_context tries again and answers with the error
+        log.warning("the context manager could not be built yet", exc_info=True)
 
 
 def _make_context(state) -> None:

@@ -17,10 +17,12 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from .config import ServeConfig, agentkv_home, env_var
+from .proxy import ENGINE_URL
 
 log = logging.getLogger("agentkv.engine")
 
@@ -70,13 +73,17 @@ class EngineProcess:
     cfg: ServeConfig
     model_path: str
     device: str
-    port: int = field(default_factory=free_port)
+    # the engine listens on a Unix socket in a private (0700) folder, never on a TCP port: nothing
+    # but the front's user can connect, and the hop has no TCP stack (no delayed ACKs or
+    # retransmission timeouts between two processes of one host); the path stays short (at most
+    # 107 bytes) wherever AGENTKV_HOME is
+    socket_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="agentkv-engine-"))
     secret: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     proc: subprocess.Popen | None = None
 
     @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def socket_path(self) -> str:
+        return os.path.join(self.socket_dir, "engine.sock")
 
     def argv(self) -> list[str]:
         c = self.cfg
@@ -84,7 +91,7 @@ class EngineProcess:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model_path,
             "--served-model-name", c.model_name,
-            "--host", "127.0.0.1", "--port", str(self.port),
+            "--uds", self.socket_path,
             "--enable-prefix-caching",
             "--enable-prompt-tokens-details",
             "--tensor-parallel-size", str(c.tensor_parallel_size),
@@ -134,13 +141,14 @@ class EngineProcess:
 
     async def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(timeout=5.0) as client:
+        async with httpx.AsyncClient(base_url=ENGINE_URL, timeout=5.0,
+                                     transport=httpx.AsyncHTTPTransport(uds=self.socket_path)) as client:
             while time.monotonic() < deadline:
                 if not self.alive():
                     code = self.proc.returncode if self.proc else None
                     raise EngineError(f"vLLM exited with code {code} during start-up (see its log above)")
                 try:
-                    if (await client.get(f"{self.base_url}/health")).status_code == 200:
+                    if (await client.get("/health")).status_code == 200:
                         return
                 except httpx.TransportError:
                     pass
@@ -150,7 +158,7 @@ class EngineProcess:
     async def start(self) -> None:
         self.start_process()
         await self.wait_healthy(self.cfg.engine_startup_timeout_s)
-        log.info("vLLM is healthy on %s", self.base_url)
+        log.info("vLLM is healthy on %s", self.socket_path)
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM the child's process group, then SIGKILL whatever is left; reap the child."""
@@ -167,3 +175,4 @@ class EngineProcess:
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=10)
+        shutil.rmtree(self.socket_dir, ignore_errors=True)

@@ -16,7 +16,6 @@ import copy
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 from fastapi.responses import JSONResponse, Response
 
 from ..compaction.session_log import SessionLog
@@ -24,7 +23,7 @@ from . import server_tools
 from .errors import error_body
 from .kv_reuse import take_outcome
 from .metrics import observe_usage
-from .proxy import EngineClient, decode_json, encode_json, json_of, unavailable, unavailable_message
+from .proxy import EngineClient, EngineResponse, EngineUnavailable, decode_json, encode_json, unavailable, unavailable_message
 
 PATH = "/v1/chat/completions"
 
@@ -81,7 +80,7 @@ async def completion(engine: EngineClient, body: dict, runner: ToolRunner | None
                      report: dict | None = None) -> tuple[int, dict, list[dict]]:
     """Non-streamed: (status, the engine's final payload with usage summed over rounds, server
     tool calls run). A success's usage is counted in the metrics and the KV connector's outcome
-    moves into ``report``'s edits. Raises httpx.TransportError when the engine is unreachable."""
+    moves into ``report``'s edits. Raises EngineUnavailable when the engine is unreachable."""
     usage, annotations, kv = None, [], None
     for round_ in range((runner.max_rounds if runner else 0) + 1):
         status, payload = await engine.post_json(PATH, body)
@@ -117,26 +116,24 @@ def with_usage(body: dict) -> dict:
     return {**body, "stream": True, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
 
 
-async def open_stream(engine: EngineClient, body: dict) -> httpx.Response | Response:
+async def open_stream(engine: EngineClient, body: dict) -> EngineResponse | Response:
     """Start the engine's stream; a refusal (or an unreachable engine) comes back as the response
     to send instead of a stream."""
     try:
         resp = await engine.post_stream(PATH, body)
-    except httpx.TransportError as exc:
+        if resp.status_code != 200:
+            status, payload = await resp.json()
+            return JSONResponse(payload, status_code=status)
+    except EngineUnavailable as exc:
         return unavailable(exc)
-    if resp.status_code != 200:
-        await resp.aread()
-        await resp.aclose()
-        status, payload = json_of(resp)
-        return JSONResponse(payload, status_code=status)
     return resp
 
 
-async def sse_data(resp: httpx.Response) -> AsyncIterator[bytes]:
+async def sse_data(resp: EngineResponse) -> AsyncIterator[bytes]:
     """The ``data:`` payloads of a server-sent event stream, as they arrive, as bytes (lines split
     where SSE splits them: CR, LF, CRLF; a payload is never decoded here)."""
     buf = b""
-    async for chunk in resp.aiter_raw():
+    async for chunk in resp.chunks():
         buf = buf + chunk if buf else chunk
         if b"\n\n" not in buf:
             continue
@@ -148,7 +145,7 @@ async def sse_data(resp: httpx.Response) -> AsyncIterator[bytes]:
 
 
 class EngineStream:
-    def __init__(self, engine: EngineClient, body: dict, runner: ToolRunner | None, first: httpx.Response):
+    def __init__(self, engine: EngineClient, body: dict, runner: ToolRunner | None, first: EngineResponse):
         self.engine, self.body, self.runner, self._resp = engine, body, runner, first
         self.usage: dict | None = None
         self.server_tool_calls: list[dict] = []
@@ -186,10 +183,10 @@ class EngineStream:
                     self._held.append(chunk)
                     continue
                 yield chunk, data
-        except httpx.TransportError as exc:  # the engine went away mid-stream
+        except EngineUnavailable as exc:  # the engine went away mid-stream
             self.error = error_body(503, unavailable_message(exc), code="engine_unavailable")
         finally:
-            await self._resp.aclose()
+            self._resp.close()
         if not done and self.error is None:
             self.error = error_body(503, "the inference engine's stream ended before it was complete",
                                     code="engine_unavailable")
@@ -216,13 +213,11 @@ class EngineStream:
                 self.body = next_round(self.body, None, ours, results)
                 try:
                     resp = await self.engine.post_stream(PATH, self.body)
-                except httpx.TransportError as exc:
+                    if resp.status_code != 200:  # the follow-up was refused (e.g. the context is full)
+                        self.error = (await resp.json())[1]
+                        return
+                except EngineUnavailable as exc:
                     self.error = error_body(503, unavailable_message(exc), code="engine_unavailable")
-                    return
-                if resp.status_code != 200:  # the follow-up was refused (e.g. the context is full)
-                    await resp.aread()
-                    await resp.aclose()
-                    self.error = json_of(resp)[1]
                     return
                 self._resp = resp
                 continue

@@ -17,12 +17,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .engine_stream import EngineStream, ToolRunner, completion, encode_json, extra_fields, open_stream, with_usage
 from .metrics import observe_usage
-from .proxy import EngineClient, unavailable
+from .proxy import EngineClient, EngineUnavailable, unavailable
 from .responses_format import new_id, to_usage
 
 EventFields = dict[str, Any]
@@ -189,7 +188,7 @@ class Answer:
 async def complete(engine: EngineClient, body: dict, runner: ToolRunner | None, answer: Answer) -> Response:
     try:
         status, payload, annotations = await completion(engine, body, runner, answer.report)
-    except httpx.TransportError as exc:
+    except EngineUnavailable as exc:
         return unavailable(exc)
     if status != 200:
         return JSONResponse(payload, status_code=status)

@@ -14,7 +14,6 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,7 +28,7 @@ from .engine_stream import EngineStream, ToolRunner, completion, extra_fields, o
 from .errors import anthropic_error_body
 from .kv_blend import KVBlend
 from .metrics import observe_usage
-from .proxy import unavailable_message
+from .proxy import EngineUnavailable, unavailable_message
 from .schemas import require_utf8
 from .sessions import session_ref
 
@@ -94,7 +93,7 @@ def _error(status: int, payload: Any) -> JSONResponse:
     return JSONResponse(anthropic_error_body(status, str(text)), status_code=status)
 
 
-def _unavailable(exc: Exception) -> JSONResponse:
+def _unavailable(exc: EngineUnavailable) -> JSONResponse:
     return JSONResponse(anthropic_error_body(503, unavailable_message(exc)), status_code=503)
 
 
@@ -133,7 +132,7 @@ async def messages(req: MessagesRequest, request: Request, engine: EngineDep, ow
     if not req.stream:
         try:
             status, payload, calls = await completion(engine, chat, runner, prepared.report)
-        except httpx.TransportError as exc:
+        except EngineUnavailable as exc:
             return _unavailable(exc)
         if status != 200:
             return _error(status, payload)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from . import chat, kv_reuse, server_tools
 from .deps import ContextDep, EngineDep, OwnerDep
-from .proxy import relay_stream, unavailable
+from .proxy import EngineUnavailable, relay_stream, unavailable
 from .schemas import ChatCompletionRequest, CompletionRequest, forward_body
 from .context import manage
 from .sessions import session_ref
@@ -45,7 +44,7 @@ async def completions(req: CompletionRequest, request: Request, engine: EngineDe
         if body.get("stream"):
             return await relay_stream(await engine.post_stream("/v1/completions", body))
         status, payload = await engine.post_json("/v1/completions", body)
-    except httpx.TransportError as exc:
+    except EngineUnavailable as exc:
         return unavailable(exc)
     return JSONResponse(payload, status_code=status)
 
@@ -54,6 +53,6 @@ async def completions(req: CompletionRequest, request: Request, engine: EngineDe
 async def models(engine: EngineDep, _: OwnerDep) -> Response:
     try:
         status, payload = await engine.get_json("/v1/models")
-    except httpx.TransportError as exc:
+    except EngineUnavailable as exc:
         return unavailable(exc)
     return JSONResponse(payload, status_code=status)

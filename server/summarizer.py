@@ -1,6 +1,6 @@
 """The summarizer's model: whichever engine the supervisor runs now.
 
-Each engine launch has its own port and secret, so a client built for one launch fails against the
+Each engine launch has its own socket and secret, so a client built for one launch fails against the
 next. This client looks the engine up at every call and makes a new OpenAI client when it changed.
 """
 
@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import threading
 
+import httpx
 from openai import OpenAI
 
 from ..compaction.prompt import Message
 from ..compaction.summarize import OpenAIModelClient
 from .engine import EngineError, EngineProcess
+from .proxy import ENGINE_URL
 from .supervisor import Supervisor
 
 
@@ -35,8 +37,9 @@ class EngineModelClient:
             if self._engine is not engine:
                 if self._client is not None:
                     self._client.client.close()  # the previous launch's connections
-                self._client = OpenAIModelClient(OpenAI(base_url=f"{engine.base_url}/v1", api_key=engine.secret,
-                                                        max_retries=0), self.model)
+                http = httpx.Client(transport=httpx.HTTPTransport(uds=engine.socket_path), timeout=600)
+                self._client = OpenAIModelClient(OpenAI(base_url=f"{ENGINE_URL}/v1", api_key=engine.secret,
+                                                        max_retries=0, http_client=http), self.model)
                 self._engine = engine
             return self._client
 

@@ -10,13 +10,12 @@ from collections import deque
 from collections.abc import Callable
 from enum import Enum
 
-import httpx
 
 from .config import ServeConfig
 from .embedded_model import is_embedded
 from .engine import EngineError, EngineProcess, resolve_device
 from .metrics import ENGINE_RESTARTS, ENGINE_STARTS, ENGINE_UP
-from .proxy import EngineClient
+from .proxy import EngineClient, EngineUnavailable
 
 log = logging.getLogger("agentkv.supervisor")
 WATCH_INTERVAL_S = 0.5
@@ -59,6 +58,7 @@ class Supervisor:
         self.client: EngineClient | None = None
         self._task: asyncio.Task | None = None
         self.model_path: str | None = None
+        self.model_known = asyncio.Event()  # set once model_path is (the tokenizer can load meanwhile)
         self.max_model_len: int = 0
         self._crashes: deque[float] = deque()
 
@@ -128,10 +128,11 @@ class Supervisor:
         try:
             if self.model_path is None:
                 self.model_path = await asyncio.to_thread(resolve_model_path, self.cfg)
+                self.model_known.set()
             self.engine = self.engine_factory(self.cfg, self.model_path, resolve_device(self.cfg.device))
             ENGINE_STARTS.inc()
             await self.engine.start()
-            client = EngineClient(self.engine.base_url, self.engine.secret)
+            client = EngineClient(self.engine.socket_path, self.engine.secret)
             try:
                 _, models = await client.get_json("/v1/models")
                 self.max_model_len = int(models["data"][0]["max_model_len"])
@@ -142,8 +143,8 @@ class Supervisor:
             self.state, self.error = EngineState.READY, None
             ENGINE_UP.set(1)
             return None
-        except (EngineError, OSError, ValueError, KeyError, TypeError, httpx.HTTPError) as exc:
-            failure = f"{exc.__class__.__name__}: {exc}" if isinstance(exc, httpx.HTTPError) else str(exc)
+        except (EngineError, EngineUnavailable, OSError, ValueError, KeyError, TypeError) as exc:
+            failure = str(exc)
             log.error("engine failed to start: %s", failure)
             await self._discard()
             return failure

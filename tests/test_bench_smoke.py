@@ -40,15 +40,16 @@ def test_quick_benchmark_writes_results(server, tmp_path, name):
 
 def test_quick_front_benchmark_writes_results(server, tmp_path):
     """Prompt work (segments against whole renders, SmolLM2's tokenizer) and the relay A/B against
-    the test server's own engine, reached with the port and secret of the process it started."""
-    from agentkv.benchmarks.front import engine_of
+    the test server's own engine, reached on the socket and with the secret of the process it started;
+    the CPU each of the server's processes used per streamed event."""
+    from agentkv.benchmarks.front import engine_of, processes, relay_rows
 
     url, key = engine_of(server.proc.pid)
     main(["bench", "front", "--quick", "--url", server.base_url, "--api-key", server.api_key,
           "--engine-url", url, "--engine-key", key, "--out", str(tmp_path)])
     result = json.loads((tmp_path / "front-quick.json").read_text())
     assert (tmp_path / "front-quick.png").stat().st_size > 1000
-    assert result["machine"]["cpu"] and result["model"] == "agentkv-tiny"
+    assert result["machine"]["cpu"] and result["models"] == ["agentkv-tiny"] and url.startswith("unix:")
     prompt = [r for r in result["prompt"] if r["part"] == "prompt"]
     assert [(r["mode"], r["tokens"]) for r in prompt][::2] == [("segments", t) for t in sorted({r["tokens"] for r in prompt})]
     for seg, whole in zip(prompt[::2], prompt[1::2]):   # the same conversations, both ways
@@ -64,3 +65,11 @@ def test_quick_front_benchmark_writes_results(server, tmp_path):
         a, e = (next(r for r in relay if r["target"] == t and r["concurrency"] == s["concurrency"])
                 for t in ("agentkv", "engine"))
         assert s["throughput_ratio"] == pytest.approx(a["decode_tok_s"] / e["decode_tok_s"])
+    roles = processes(server.proc.pid)
+    assert roles["front"][0].pid == server.proc.pid and roles["vllm api server"] and roles["engine core"]
+    rows = relay_rows((server.base_url, server.api_key), (url, key), "agentkv-tiny", [2], 4, 1, lambda: None,
+                      roles=roles)
+    front, direct = (next(r for r in rows if r["target"] == t) for t in ("agentkv", "engine"))
+    assert front["events"] >= 2 * 4 and direct["events"] >= 2 * 4     # a role chunk, tokens, usage
+    assert front["cpu_us_per_event"]["front"] > 0 and front["cpu_us_per_event"]["vllm api server"] > 0
+    assert direct["cpu_us_per_event"]["vllm api server"] > 0

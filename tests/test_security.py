@@ -200,7 +200,7 @@ def test_engine_secret_and_front_settings_stay_out_of_the_child(monkeypatch):
     monkeypatch.setenv("AGENTKV_API_KEY", f"{API_KEY},{OTHER_KEY}")
     monkeypatch.setenv("AGENTKV_SESSION_DB", f"postgresql://u:{DB_PASSWORD}@h/db")
     cfg = ServeConfig(api_key=(API_KEY, OTHER_KEY), session_db=f"postgresql://u:{DB_PASSWORD}@h/db")
-    eng = EngineProcess(cfg, "/m", "cpu", port=1)
+    eng = EngineProcess(cfg, "/m", "cpu")
     argv, env = " ".join(eng.argv()), eng.env()
     assert not any(s in argv for s in (eng.secret, API_KEY, OTHER_KEY, DB_PASSWORD)), argv
     assert env["VLLM_API_KEY"] == eng.secret
@@ -236,6 +236,17 @@ def _engine_secret(pid: int) -> str:
     return environ[b"VLLM_API_KEY"].decode()
 
 
+def _fd_links(pid: int) -> set[str]:
+    """What a process's open files are (``socket:[inode]`` for a socket)."""
+    links = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass  # closed meanwhile
+    return links
+
+
 def _assert_no_secret_visible(server, secrets: list[str]) -> None:
     procs = _process_tree(server.proc.pid)
     engine = _engine_pid(procs)
@@ -246,13 +257,20 @@ def _assert_no_secret_visible(server, secrets: list[str]) -> None:
             assert s.encode() not in cmdline, (pid, cmdline)
     log = server.log_path.read_text(errors="replace")
     assert not any(s in log for s in [secret, *secrets])
+    # vLLM's API listens on a Unix socket in a folder only its user may enter, on no TCP port (its
+    # engine's own processes may: torch.distributed's store is on loopback TCP)
+    sock = re.search(rb"--uds\x00([^\x00]+)", procs[engine]).group(1).decode()
+    assert stat.S_IMODE(os.stat(os.path.dirname(sock)).st_mode) == 0o700 and stat.S_ISSOCK(os.stat(sock).st_mode)
+    assert b"--port" not in procs[engine]
+    listening = {int(line.split()[9]) for f in ("/proc/net/tcp", "/proc/net/tcp6") if os.path.exists(f)
+                 for line in Path(f).read_text().splitlines()[1:] if line.split()[3] == "0A"}   # inodes in LISTEN
+    assert not {f"socket:[{inode}]" for inode in listening} & _fd_links(engine), "vLLM's API listens on TCP"
     # the engine honours VLLM_API_KEY: without the secret it refuses, with it it answers
-    port = int(re.search(rb"--port\x00(\d+)", procs[engine]).group(1))
-    assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).status_code == 401
-    for key in (API_KEY, OTHER_KEY):
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30,
-                         headers={"Authorization": f"Bearer {key}"}).status_code == 401
-    ok = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30, headers={"Authorization": f"Bearer {secret}"})
+    with httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://engine", timeout=30) as engine_http:
+        assert engine_http.get("/v1/models").status_code == 401
+        for key in (API_KEY, OTHER_KEY):
+            assert engine_http.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 401
+        ok = engine_http.get("/v1/models", headers={"Authorization": f"Bearer {secret}"})
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == MODEL
 
 

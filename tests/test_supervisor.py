@@ -16,7 +16,7 @@ from agentkv.server.engine import EngineProcess
 from agentkv.server.supervisor import EngineState, Supervisor
 
 DROPS_AFTER_HEALTH = r"""
-import http.server, socket, sys
+import http.server, socket, socketserver, sys
 
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -31,13 +31,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+socketserver.UnixStreamServer(sys.argv[1], Handler).serve_forever()   # where vLLM's --uds would listen
 """
 
 
 class DropsAfterHealth(EngineProcess):
     def argv(self) -> list[str]:
-        return [sys.executable, "-c", DROPS_AFTER_HEALTH, str(self.port)]
+        return [sys.executable, "-c", DROPS_AFTER_HEALTH, self.socket_path]
 
 
 def test_a_transport_error_at_launch_is_a_visible_failure(tmp_path, monkeypatch):
@@ -55,5 +55,5 @@ def test_a_transport_error_at_launch_is_a_visible_failure(tmp_path, monkeypatch)
 
     sup = asyncio.run(run())
     assert sup.state is EngineState.FAILED and not sup.alive()   # /health/live turns 503, no hang
-    assert sup.error.startswith("RemoteProtocolError: "), sup.error
+    assert sup.error.startswith("ServerDisconnectedError: "), sup.error
     assert sup.engine.proc.returncode is not None and sup.client is None   # the child was stopped
