@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from starlette.background import BackgroundTask
 from .errors import error_body, error_response
 
 
+log = logging.getLogger("agentkv.proxy")
 encode_json = msgspec.json.encode  # compact, UTF-8 (vLLM's own events are too), a few times faster than json
 
 
@@ -87,11 +89,12 @@ class EngineClient:
 
     def __init__(self, socket_path: str, secret: str):
         self.socket_path = socket_path
-        # idle connections dropped before vLLM's own keep-alive timeout (5 s) closes them: a request
-        # sent on a connection the engine is closing fails; no bound on connections (one per stream)
+        # a new connection per request (a Unix socket connects in microseconds): a kept-alive one can
+        # be closed by vLLM's keep-alive timeout just as a request is sent on it (seen under load as
+        # ClientOSError, and a POST is not retried); no bound on connections (one per stream)
         self._http = aiohttp.ClientSession(
             base_url=ENGINE_URL, headers={"Authorization": f"Bearer {secret}"},
-            connector=aiohttp.UnixConnector(path=socket_path, limit=0, keepalive_timeout=2.0),
+            connector=aiohttp.UnixConnector(path=socket_path, limit=0, force_close=True),
             timeout=aiohttp.ClientTimeout(total=None, connect=5.0), auto_decompress=False)
 
     async def aclose(self) -> None:
@@ -132,6 +135,7 @@ def unavailable_message(exc: EngineUnavailable) -> str:
 
 
 def unavailable(exc: EngineUnavailable) -> JSONResponse:
+    log.warning("the engine could not be reached: %s", exc)
     return error_response(503, unavailable_message(exc), code="engine_unavailable")
 
 
