@@ -156,7 +156,7 @@ def _front(r: dict) -> str:
         out += table(["model", "streams", "agentkv decode tok/s", "engine decode tok/s", "ratio", "end-to-end ratio",
                       "agentkv TTFT p50 ms", "engine TTFT p50 ms", "TTFT p50 extra ms", "front CPU µs/event",
                       "vLLM API server CPU µs/event", "goal met"],
-                     [[x.get("model", r.get("model")), x["concurrency"], x["agentkv_tok_s"], x["engine_tok_s"],
+                     [[x["model"], x["concurrency"], x["agentkv_tok_s"], x["engine_tok_s"],
                        x["throughput_ratio"], x["e2e_ratio"], x["agentkv_ttft_p50_ms"], x["engine_ttft_p50_ms"],
                        x["ttft_p50_extra_ms"], x.get("front_cpu_us_per_event", "-"),
                        x.get("vllm_api_cpu_us_per_event", "-"), x["within_goal"]]
@@ -180,8 +180,9 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
 
 def render(name: str, result: dict) -> str:
     """The README block for one results file: where and when it was measured, then its tables."""
+    models = result.get("models") or ([result["model"]] if result.get("model") else [])
     caption = (f"*`{name}`: measured {result['measured_at'][:10]} on {machine_line(result['machine'])}"
-               f"{', model `' + result['model'] + '`' if result.get('model') else ''}; "
+               f"{', model' + ('s ' if len(models) > 1 else ' ') + ', '.join(f'`{m}`' for m in models) if models else ''}; "
                f"`benchmarks/results/{name}.json`.*\n\n")
     return caption + RENDERERS.get(name, _rows)(result) + "\n"
 
