@@ -66,6 +66,13 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+def socket_folder() -> str:
+    """A new private (0700) folder for the engine's socket: under the temporary folder, or /tmp
+    where TMPDIR is too long for a socket path (at most 107 bytes)."""
+    base = tempfile.gettempdir()
+    return tempfile.mkdtemp(prefix="agentkv-engine-", dir=base if len(base) <= 64 else "/tmp")
+
+
 @dataclass
 class EngineProcess:
     """One vLLM OpenAI server child. `start()` returns once it answers /health."""
@@ -77,7 +84,7 @@ class EngineProcess:
     # but the front's user can connect, and the hop has no TCP stack (no delayed ACKs or
     # retransmission timeouts between two processes of one host); the path stays short (at most
     # 107 bytes) wherever AGENTKV_HOME is
-    socket_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="agentkv-engine-"))
+    socket_dir: str = field(default_factory=lambda: socket_folder())
     secret: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     proc: subprocess.Popen | None = None
 

@@ -206,6 +206,7 @@ def test_engine_secret_and_front_settings_stay_out_of_the_child(monkeypatch):
     assert env["VLLM_API_KEY"] == eng.secret
     assert "AGENTKV_API_KEY" not in env and "AGENTKV_SESSION_DB" not in env
     assert not any(s in v for v in env.values() for s in (API_KEY, OTHER_KEY, DB_PASSWORD))
+    os.rmdir(eng.socket_dir)
 
 
 def _process_tree(root: int) -> dict[int, bytes]:
@@ -315,3 +316,17 @@ def test_no_session_db_password_in_any_argv_or_the_log(tmp_path, postgres_db):
         _assert_no_secret_visible(server, [API_KEY, OTHER_KEY, DB_PASSWORD])
     finally:
         stop_server(server)
+
+
+def test_engine_socket_is_private_and_short_whatever_tmpdir(tmp_path, monkeypatch):
+    """The engine's socket lies in a new 0700 folder; a TMPDIR too long for a socket path (107
+    bytes) falls back to /tmp; the folder goes with the engine."""
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    for tmp in (str(tmp_path), str(deep)):
+        monkeypatch.setattr("tempfile.tempdir", tmp)
+        eng = EngineProcess(ServeConfig(), "/m", "cpu")
+        assert len(eng.socket_path.encode()) <= 107 and stat.S_IMODE(os.stat(eng.socket_dir).st_mode) == 0o700
+        assert eng.socket_path.startswith(tmp if len(tmp) <= 64 else "/tmp/")
+        assert ["--uds", eng.socket_path] == eng.argv()[eng.argv().index("--uds"):][:2]
+        os.rmdir(eng.socket_dir)
