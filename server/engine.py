@@ -168,8 +168,10 @@ class EngineProcess:
         log.info("vLLM is healthy on %s", self.socket_path)
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the child's process group, then SIGKILL whatever is left; reap the child."""
+        """SIGTERM the child's process group, then SIGKILL whatever is left; reap the child; remove
+        the socket's folder (also when nothing was started)."""
         if self.proc is None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
             return
         pgid = self.proc.pid
         try:

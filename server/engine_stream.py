@@ -129,11 +129,11 @@ async def open_stream(engine: EngineClient, body: dict) -> EngineResponse | Resp
     return resp
 
 
-async def sse_data(resp: EngineResponse) -> AsyncIterator[bytes]:
+async def sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """The ``data:`` payloads of a server-sent event stream, as they arrive, as bytes (lines split
     where SSE splits them: CR, LF, CRLF; a payload is never decoded here)."""
     buf = b""
-    async for chunk in resp.chunks():
+    async for chunk in chunks:
         buf = buf + chunk if buf else chunk
         if b"\n\n" not in buf:
             continue
@@ -158,7 +158,7 @@ class EngineStream:
         self._held = []
         done = False
         try:
-            async for data in sse_data(self._resp):
+            async for data in sse_data(self._resp.chunks()):
                 if done:  # nothing follows [DONE]; read on to the end so the connection is reused
                     continue
                 if data == b"[DONE]":

@@ -71,5 +71,7 @@ def test_quick_front_benchmark_writes_results(server, tmp_path):
                       roles=roles)
     front, direct = (next(r for r in rows if r["target"] == t) for t in ("agentkv", "engine"))
     assert front["events"] >= 2 * 4 and direct["events"] >= 2 * 4     # a role chunk, tokens, usage
-    assert front["cpu_us_per_event"]["front"] > 0 and front["cpu_us_per_event"]["vllm api server"] > 0
-    assert direct["cpu_us_per_event"]["vllm api server"] > 0
+    for row in (front, direct):   # CPU clock ticks are 10 ms: a role may show 0 in so short a run, not all
+        cpu = row["cpu_us_per_event"]
+        assert set(cpu) == {"front", "vllm api server", "engine core", "worker"} and min(cpu.values()) >= 0
+        assert sum(cpu.values()) > 0

@@ -63,7 +63,7 @@ def test_bad_flags_exit_2_with_a_message(args, needle, tmp_path):
 
 
 def test_engine_argv_cpu_defaults():
-    eng = EngineProcess(ServeConfig(engine_args=("--max-num-seqs", "8")), "/m", "cpu", port=1234)
+    eng = EngineProcess(ServeConfig(engine_args=("--max-num-seqs", "8")), "/m", "cpu")
     argv = eng.argv()
     for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details", "--enforce-eager",
                  "--enable-auto-tool-choice"):
@@ -71,10 +71,14 @@ def test_engine_argv_cpu_defaults():
     assert argv[argv.index("--dtype") + 1] == "float32"
     assert argv[-2:] == ["--max-num-seqs", "8"]
     assert eng.env()["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    eng.stop()   # nothing started: its socket folder goes
+    assert not os.path.exists(eng.socket_dir)
 
 
 def test_engine_argv_cuda_defaults():
-    argv = EngineProcess(ServeConfig(tensor_parallel_size=2), "/m", "cuda", port=1).argv()
+    eng = EngineProcess(ServeConfig(tensor_parallel_size=2), "/m", "cuda")
+    argv = eng.argv()
+    eng.stop()
     assert "--enforce-eager" not in argv and argv[argv.index("--dtype") + 1] == "auto"
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert "--gpu-memory-utilization" in argv

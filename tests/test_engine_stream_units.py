@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,21 +14,15 @@ CHUNKS = [{"id": "c", "choices": [{"index": 0, "delta": {"content": text}, "fini
           for text in ["plain", "line\u2028sep and \u2029para", "new\nline", "\u00e9t\u00e9 \U0001f600", "quote \" \\"]]
 
 
-class _Stream(httpx.AsyncByteStream):
-    def __init__(self, parts: list[bytes]):
-        self.parts = parts
-
-    async def __aiter__(self):
-        for p in self.parts:
-            yield p
-
-
 def _payloads(raw: bytes, cuts: list[int]) -> list[bytes]:
     edges = sorted({0, len(raw), *(c % (len(raw) + 1) for c in cuts)})
-    resp = httpx.Response(200, stream=_Stream([raw[a:b] for a, b in zip(edges, edges[1:])]))
+
+    async def parts():   # the body as the socket might hand it over
+        for a, b in zip(edges, edges[1:]):
+            yield raw[a:b]
 
     async def collect():
-        return [d async for d in sse_data(resp)]
+        return [d async for d in sse_data(parts())]
     return asyncio.run(collect())
 
 

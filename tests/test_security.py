@@ -206,7 +206,7 @@ def test_engine_secret_and_front_settings_stay_out_of_the_child(monkeypatch):
     assert env["VLLM_API_KEY"] == eng.secret
     assert "AGENTKV_API_KEY" not in env and "AGENTKV_SESSION_DB" not in env
     assert not any(s in v for v in env.values() for s in (API_KEY, OTHER_KEY, DB_PASSWORD))
-    os.rmdir(eng.socket_dir)
+    eng.stop()
 
 
 def _process_tree(root: int) -> dict[int, bytes]:
@@ -329,4 +329,4 @@ def test_engine_socket_is_private_and_short_whatever_tmpdir(tmp_path, monkeypatc
         assert len(eng.socket_path.encode()) <= 107 and stat.S_IMODE(os.stat(eng.socket_dir).st_mode) == 0o700
         assert eng.socket_path.startswith(tmp if len(tmp) <= 64 else "/tmp/")
         assert ["--uds", eng.socket_path] == eng.argv()[eng.argv().index("--uds"):][:2]
-        os.rmdir(eng.socket_dir)
+        eng.stop()
