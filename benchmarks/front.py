@@ -228,10 +228,13 @@ def _session(target: str, key: str | None):
     """An aiohttp session for ``http://host:port`` or ``unix:PATH`` (the engine's socket), and its URL."""
     import aiohttp
 
+    from ..server.proxy import ENGINE_URL
+
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    connector = aiohttp.UnixConnector(path=target[5:], limit=0) if target.startswith("unix:") else \
-        aiohttp.TCPConnector(limit=0)
-    url = "http://engine" if target.startswith("unix:") else target
+    if target.startswith("unix:"):
+        connector, url = aiohttp.UnixConnector(path=target[5:], limit=0), ENGINE_URL
+    else:
+        connector, url = aiohttp.TCPConnector(limit=0), target
     return aiohttp.ClientSession(connector=connector, headers=headers,
                                  timeout=aiohttp.ClientTimeout(total=600)), url
 

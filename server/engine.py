@@ -84,7 +84,7 @@ class EngineProcess:
     # but the front's user can connect, and the hop has no TCP stack (no delayed ACKs or
     # retransmission timeouts between two processes of one host); the path stays short (at most
     # 107 bytes) wherever AGENTKV_HOME is
-    socket_dir: str = field(default_factory=lambda: socket_folder())
+    socket_dir: str = field(default_factory=socket_folder)
     secret: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     proc: subprocess.Popen | None = None
 

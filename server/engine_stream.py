@@ -159,7 +159,7 @@ class EngineStream:
         done = False
         try:
             async for data in sse_data(self._resp.chunks()):
-                if done:  # nothing follows [DONE]; read on to the end so the connection is reused
+                if done:  # nothing follows [DONE] but the end of the body; read on to it
                     continue
                 if data == b"[DONE]":
                     done = True

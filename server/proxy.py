@@ -53,8 +53,8 @@ class EngineUnavailable(Exception):
 
 class EngineResponse:
     """A streamed engine response: ``status_code``, the body in ``chunks()`` as it arrives (or
-    ``read()`` whole); ``close()`` hands its connection back (or drops it when the body was not read
-    to its end). Transport errors come out as ``EngineUnavailable``."""
+    ``read()`` whole); ``close()`` releases its connection. Transport errors come out as
+    ``EngineUnavailable``."""
 
     def __init__(self, resp: aiohttp.ClientResponse):
         self._resp, self.status_code = resp, resp.status
@@ -84,8 +84,8 @@ class EngineResponse:
 
 
 class EngineClient:
-    """Talks to one engine on its Unix socket with its secret: one aiohttp connection pool for the
-    front (its C HTTP parser reads a streamed chunk for a fraction of a pure-Python client's cost)."""
+    """Talks to one engine on its Unix socket with its secret: one aiohttp session for the front
+    (its C HTTP parser reads a streamed chunk for a fraction of a pure-Python client's cost)."""
 
     def __init__(self, socket_path: str, secret: str):
         self.socket_path = socket_path

@@ -10,7 +10,6 @@ from collections import deque
 from collections.abc import Callable
 from enum import Enum
 
-
 from .config import ServeConfig
 from .embedded_model import is_embedded
 from .engine import EngineError, EngineProcess, resolve_device
