@@ -45,6 +45,9 @@ class SessionLog(ABC):
     # a session's view and its forks' (``session.N``): one key range of the primary key, so the
     # lookup costs the same with 10 or 10 million sessions stored (byte order: SQLite's BINARY)
     FORKS_SQL = "SELECT session, state FROM views WHERE session >= ? AND session < ?"
+    # every call is local (no network, no other server to wait on): the request path may make
+    # short ones on its event loop
+    LOCAL = True
 
     def __init__(self) -> None:
         self.lock = threading.RLock()

@@ -56,6 +56,7 @@ class PostgresLog(SessionLog):
     # byte order whatever the database's collation (a locale's order is not a prefix's key range),
     # served by the views_session_bytes index
     FORKS_SQL = 'SELECT session, state FROM views WHERE session COLLATE "C" >= ? AND session COLLATE "C" < ?'
+    LOCAL = False   # a round trip to the database server: never on the event loop
 
     def __init__(self, url: str):
         super().__init__()

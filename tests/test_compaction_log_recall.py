@@ -128,3 +128,24 @@ def test_postgres_log_reconnects_after_the_server_drops_it(postgres_db):
     log.append("s", [{"role": "user", "content": "after"}])   # ...and the log is back on the next
     assert [m["content"] for m in log.history("s")] == ["before", "after"]
     assert log.conn.info.backend_pid != pid
+
+
+def test_sqlite_checkpoints_run_off_the_request_path(tmp_path, monkeypatch):
+    """Requests' commits never checkpoint (the automatic checkpoint is off); a thread of the log's
+    own copies the WAL into the database file, so it does not grow without bound."""
+    from agentkv.compaction.session_log_sqlite import SQLiteLog
+
+    monkeypatch.setattr(SQLiteLog, "CHECKPOINT_S", 0.05)
+    db = tmp_path / "log.db"
+    log = SQLiteLog(db)
+    assert log.conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+    size = db.stat().st_size
+    for i in range(50):
+        log.append("s", [{"role": "tool", "tool_call_id": str(i), "content": f"line {i} " + "x" * 4000}])
+    deadline = time.monotonic() + 30
+    while db.stat().st_size <= size + 100_000 and time.monotonic() < deadline:   # the WAL's pages, copied back
+        time.sleep(0.05)
+    assert db.stat().st_size > size + 100_000
+    log.close()
+    assert not log._checkpointer.is_alive()
+    assert len(open_session_log(db).history("s")) == 50
