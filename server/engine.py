@@ -20,6 +20,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -66,11 +67,47 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+SOCKET_PREFIX = "agentkv-engine-"
+
+
 def socket_folder() -> str:
     """A new private (0700) folder for the engine's socket: under the temporary folder, or /tmp
-    where TMPDIR is too long for a socket path (at most 107 bytes)."""
+    where TMPDIR is too long for a socket path (at most 107 bytes). Folders that fronts killed
+    without a clean stop left there go first."""
     base = tempfile.gettempdir()
-    return tempfile.mkdtemp(prefix="agentkv-engine-", dir=base if len(base) <= 64 else "/tmp")
+    base = base if len(base) <= 64 else "/tmp"
+    remove_stale_socket_folders(base)
+    return tempfile.mkdtemp(prefix=SOCKET_PREFIX, dir=base)
+
+
+def remove_stale_socket_folders(base: str, min_age_s: float = 60.0) -> list[str]:
+    """Remove this user's engine socket folders under ``base`` whose socket nobody listens on any
+    more (its front was SIGKILLed: the engine died with it, the folder stayed); returns them. A
+    folder without a socket yet (an engine starting) or with one younger than ``min_age_s`` (bound,
+    not yet listening) is left alone."""
+    removed = []
+    for entry in os.scandir(base):
+        if not entry.name.startswith(SOCKET_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        path = os.path.join(entry.path, "engine.sock")
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue   # no socket yet: an engine starting
+        if info.st_uid != os.getuid() or not stat.S_ISSOCK(info.st_mode) or time.time() - info.st_mtime < min_age_s:
+            continue
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(1.0)
+                probe.connect(path)
+            continue   # someone listens: a live engine
+        except ConnectionRefusedError:
+            pass       # a socket file nobody listens on
+        except OSError:
+            continue   # not ours to judge (a timeout, permissions)
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
 
 
 @dataclass

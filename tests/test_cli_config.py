@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -82,3 +86,37 @@ def test_engine_argv_cuda_defaults():
     assert "--enforce-eager" not in argv and argv[argv.index("--dtype") + 1] == "auto"
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert "--gpu-memory-utilization" in argv
+
+
+def test_socket_folders_of_killed_fronts_are_removed():
+    """A front killed with SIGKILL leaves its engine's socket folder; the next engine's start removes
+    it, and only it: not a live engine's, not one whose engine is still starting."""
+    from pathlib import Path
+
+    from agentkv.server.engine import SOCKET_PREFIX, remove_stale_socket_folders
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="akv-", dir="/tmp"))   # short: a socket path has 107 bytes
+
+    def folder(name: str, listening: bool | None, age_s: float) -> str:
+        path = tmp_path / f"{SOCKET_PREFIX}{name}"
+        path.mkdir(mode=0o700)
+        if listening is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(str(path / "engine.sock"))
+            if listening:
+                sock.listen()
+                held.append(sock)
+            else:
+                sock.close()   # the file stays, nobody listens: what a killed engine leaves
+            os.utime(path / "engine.sock", (time.time() - age_s,) * 2)
+        return str(path)
+
+    held: list[socket.socket] = []
+    dead, live, starting, fresh = (folder("dead", False, 600), folder("live", True, 600),
+                                   folder("starting", None, 600), folder("fresh", False, 1))
+    (tmp_path / "other").mkdir()
+    assert remove_stale_socket_folders(str(tmp_path)) == [dead]
+    assert not os.path.exists(dead) and all(os.path.exists(p) for p in (live, starting, fresh, tmp_path / "other"))
+    for sock in held:
+        sock.close()
+    shutil.rmtree(tmp_path)
