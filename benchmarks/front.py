@@ -37,6 +37,7 @@ import time
 import uuid
 from pathlib import Path
 
+from ..server import timing
 from ..server.embedded_model.names import SMOLLM2, TINY
 from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, pyplot, write_results
 
@@ -252,6 +253,7 @@ async def _one(session, url: str, model: str, tokens: int, rng: random.Random) -
     async with session.post(f"{url}/v1/chat/completions", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.read())[:300]!r}")
+        spans = timing.parse(r.headers.get("Server-Timing", ""))   # agentkv's own account (none from vLLM)
         async for line in r.content:   # SSE lines (the client's own cost kept small: it shares the CPU)
             if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
                 continue
@@ -263,7 +265,8 @@ async def _one(session, url: str, model: str, tokens: int, rng: random.Random) -
                 first = first or last
     if usage is None or first is None:
         raise RuntimeError("a stream ended without tokens or usage")
-    return {"ttft_s": first - t0, "tokens": usage["completion_tokens"], "first": first, "end": last, "events": events}
+    return {"ttft_s": first - t0, "tokens": usage["completion_tokens"], "first": first, "end": last, "events": events,
+            "spans": spans}
 
 
 async def _batch(target: str, key: str | None, model: str, concurrency: int, tokens: int, seed: int) -> dict:
@@ -277,7 +280,7 @@ async def _batch(target: str, key: str | None, model: str, concurrency: int, tok
     # last token (a relay that holds tokens back and sends them in bursts does not look faster)
     decode = sum(r["tokens"] - 1 for r in res) / (max(r["end"] for r in res) - min(r["first"] for r in res))
     return {"tok_s": decode, "e2e_tok_s": sum(r["tokens"] for r in res) / wall, "ttft": [r["ttft_s"] for r in res],
-            "events": sum(r["events"] for r in res)}
+            "events": sum(r["events"] for r in res), "spans": [r["spans"] for r in res]}
 
 
 def relay_rows(front: tuple[str, str | None], engine: tuple[str, str], model: str, levels: list[int],
@@ -309,6 +312,10 @@ def relay_rows(front: tuple[str, str | None], engine: tuple[str, str], model: st
                    "ttft_p50_ms": statistics.median(ttft) * 1e3,
                    "ttft_p90_ms": sorted(ttft)[int(0.9 * (len(ttft) - 1))] * 1e3,
                    "events": sum(b["events"] for b in batches)}
+            for span in ("front", "context"):   # agentkv's Server-Timing: its time before the engine's
+                ms = sorted(x[span] for b in batches for x in b["spans"] if span in x)
+                if ms:
+                    row[f"{span}_ms_p50"], row[f"{span}_ms_p90"] = statistics.median(ms), ms[int(0.9 * (len(ms) - 1))]
             if roles:   # CPU microseconds per streamed event, all rounds together
                 row["cpu_us_per_event"] = {k: 1e6 * sum(b["cpu_s"][k] for b in batches) / row["events"]
                                            for k in batches[0]["cpu_s"]}
@@ -331,6 +338,8 @@ def relay_summary(rows: list[dict]) -> list[dict]:
                    "ttft_p50_extra_ms": a["ttft_p50_ms"] - e["ttft_p50_ms"],
                    "within_goal": a["decode_tok_s"] >= 0.95 * e["decode_tok_s"]
                    and a["ttft_p50_ms"] - e["ttft_p50_ms"] <= 5.0}
+            if "front_ms_p50" in a:
+                row["front_ms_p50"], row["front_ms_p90"] = a["front_ms_p50"], a["front_ms_p90"]
             if "cpu_us_per_event" in a:
                 row["front_cpu_us_per_event"] = a["cpu_us_per_event"]["front"]
                 row["vllm_api_cpu_us_per_event"] = e["cpu_us_per_event"]["vllm api server"]
@@ -436,10 +445,12 @@ def main(argv: list[str] | None = None) -> dict:
     for model in models:
         print_table(f"relay through agentkv vs the engine ({model}, {args.tokens} tokens a request)",
                     ["streams", "agentkv decode tok/s", "engine decode tok/s", "ratio", "end-to-end ratio",
-                     "agentkv TTFT p50 ms", "engine TTFT p50 ms", "front CPU us/event", "vLLM API CPU us/event",
-                     "goal met"],
+                     "agentkv TTFT p50 ms", "engine TTFT p50 ms", "front before engine ms p50 (p90)",
+                     "front CPU us/event", "vLLM API CPU us/event", "goal met"],
                     [[s["concurrency"], s["agentkv_tok_s"], s["engine_tok_s"], s["throughput_ratio"], s["e2e_ratio"],
-                      s["agentkv_ttft_p50_ms"], s["engine_ttft_p50_ms"], s.get("front_cpu_us_per_event", ""),
+                      s["agentkv_ttft_p50_ms"], s["engine_ttft_p50_ms"],
+                      f"{s['front_ms_p50']:.1f} ({s['front_ms_p90']:.1f})" if "front_ms_p50" in s else "",
+                      s.get("front_cpu_us_per_event", ""),
                       s.get("vllm_api_cpu_us_per_event", ""), s["within_goal"]]
                      for s in summary if s["model"] == model], machine_line(m))
     print(f"wrote {jpath} and {ppath}")

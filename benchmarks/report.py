@@ -154,11 +154,14 @@ def _front(r: dict) -> str:
         out += (f"\n\nRelay, streamed, {tokens} tokens a request, through agentkv vs the engine directly "
                 "(A/B interleaved, median over rounds):\n\n")
         out += table(["model", "streams", "agentkv decode tok/s", "engine decode tok/s", "ratio", "end-to-end ratio",
-                      "agentkv TTFT p50 ms", "engine TTFT p50 ms", "TTFT p50 extra ms", "front CPU µs/event",
+                      "agentkv TTFT p50 ms", "engine TTFT p50 ms", "TTFT p50 extra ms",
+                      "front before the engine ms p50 / p90", "front CPU µs/event",
                       "vLLM API server CPU µs/event", "goal met"],
                      [[x["model"], x["concurrency"], x["agentkv_tok_s"], x["engine_tok_s"],
                        x["throughput_ratio"], x["e2e_ratio"], x["agentkv_ttft_p50_ms"], x["engine_ttft_p50_ms"],
-                       x["ttft_p50_extra_ms"], x.get("front_cpu_us_per_event", "-"),
+                       x["ttft_p50_extra_ms"],
+                       f"{x['front_ms_p50']:.1f} / {x['front_ms_p90']:.1f}" if "front_ms_p50" in x else "-",
+                       x.get("front_cpu_us_per_event", "-"),
                        x.get("vllm_api_cpu_us_per_event", "-"), x["within_goal"]]
                       for x in r["relay_summary"]])
     return out

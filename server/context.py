@@ -20,6 +20,7 @@ from ..compaction.policy import ContextManagement, default_policy, with_defaults
 from ..compaction.prompt import Message, PromptRenderer
 from ..compaction.summarize import ModelClient, summarize
 from ..compaction.thinking import clear_thinking
+from . import timing
 from .sessions import SessionRef, Sessions, ViewState
 
 log = logging.getLogger("agentkv.context")
@@ -72,6 +73,10 @@ def after_compaction(view: list[Message], where: list[int]) -> tuple[list[Messag
     return view[:lead] + view[last:], where[:lead] + where[last:]
 
 
+class SummaryNeeded(Exception):
+    """A compact edit would fire: the step calls the model and belongs off the event loop."""
+
+
 class ContextManager:
     def __init__(self, sessions: Sessions, renderer: PromptRenderer, summarizer: ModelClient):
         self.sessions, self.renderer, self.summarizer = sessions, renderer, summarizer
@@ -83,7 +88,7 @@ class ContextManager:
         return view, where
 
     def _edit(self, run: _Run, state: ViewState, tools: list | None, policy: ContextManagement | None,
-              history: list[Message], notes_key: str | None, window: int | None) -> _Run:
+              history: list[Message], notes_key: str | None, window: int | None, may_summarize: bool = True) -> _Run:
         """Run the policy's edits on ``run.view``, recording what replaces which conversation
         message in ``state``. Compact edits run only with ``notes_key`` (a session to write to)."""
         tokens_moved = False  # an edit changed tokens before clearing's: its KV edits no longer apply
@@ -114,6 +119,8 @@ class ContextManager:
             elif notes_key is not None:
                 if self.renderer.count(view, tools) < edit.trigger:  # no summary: the log's notes not read
                     continue
+                if not may_summarize:
+                    raise SummaryNeeded
                 notes = [f"{kind}: {text}" for kind, text in self.sessions.log.notes(notes_key)]
                 try:
                     r = summarize(view, self.renderer, edit, self.summarizer, tools, notes, history=history,
@@ -139,13 +146,16 @@ class ContextManager:
 
     def prepare(self, owner: str, ref: SessionRef, messages: list[Message], tools: list | None,
                 policy: ContextManagement | None, window: int | None = None,
-                engine_form: EngineForm | None = None, want_ids: bool = False) -> Prepared:
+                engine_form: EngineForm | None = None, want_ids: bool = False, may_summarize: bool = True) -> Prepared:
+        """The request's view, its edits applied and persisted. ``may_summarize=False``: raise
+        ``SummaryNeeded`` where a compact edit would call the model, before anything but the sync
+        (which a second call finds done) is persisted."""
         synced = self.sessions.sync(owner, ref, messages, self.renderer.known.keys(messages))
         key, session_id, state = synced.key, synced.id, synced.state
         history = [engine_form(m) for m in messages] if engine_form else messages
         before = self.renderer.count(history, tools)
         run = self._edit(_Run(*self._view(state, messages, engine_form)), state, tools, policy, history, key,
-                         window)
+                         window, may_summarize)
         if run.applied:  # an edit fired and changed the view state (sync saved it unchanged)
             self.sessions.save(key, state)
         view = run.view
@@ -169,12 +179,46 @@ class ContextManager:
         return self.renderer.count(run.view, tools), self.renderer.count(history, tools)
 
 
+# a conversation this small (characters of text) costs its context step a millisecond or two: on the
+# event loop, where a thread's hand-offs (the GIL, the log's lock) cost tens to hundreds of
+# milliseconds under a burst of streams (front time before the engine at 64 streams: p50 1.3-1.4 ms
+# against 53-515 ms). Larger ones, summaries and a remote log keep the thread.
+INLINE_CHARS = 64_000
+
+
+def text_size(messages: list[Message], limit: int) -> int:
+    """Characters of the messages' text and tool-call arguments, counted up to just past ``limit``."""
+    n = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(str(p.get("text") or p.get("content") or "")) if isinstance(p, dict) else 0 for p in content)
+        for c in m.get("tool_calls") or []:
+            n += len(str((c.get("function") or {}).get("arguments") or ""))
+        if n > limit:
+            break
+    return n
+
+
 async def manage(ctx: ContextManager, cfg, window: int, owner: str, ref: SessionRef,
                  conversation: list[Message], tools: list | None, requested: ContextManagement | None,
                  engine_form: EngineForm | None = None) -> Prepared:
     """The request path's compaction step for any API: the session, the policy (the request's edits
     with the server default's for the kinds it does not name, see ``with_defaults``), then
-    ``prepare`` off the event loop."""
+    ``prepare``: small conversations on the event loop (see ``INLINE_CHARS``), the rest off it."""
     default = default_policy(window, cfg.clear_at, cfg.compact_at) if cfg.context_management else None
     policy = with_defaults(requested, default)
-    return await asyncio.to_thread(ctx.prepare, owner, ref, conversation, tools, policy, window or None, engine_form)
+    args = (owner, ref, conversation, tools, policy, window or None, engine_form)
+    timing.mark("context_start")
+    prepared = None
+    if ctx.sessions.log.LOCAL and text_size(conversation, INLINE_CHARS) <= INLINE_CHARS:
+        try:
+            prepared = ctx.prepare(*args, may_summarize=False)
+        except SummaryNeeded:
+            pass
+    if prepared is None:
+        prepared = await asyncio.to_thread(ctx.prepare, *args)
+    timing.mark("context_end")
+    return prepared

@@ -6,6 +6,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from . import timing
+
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 REQUESTS = Counter("agentkv_requests", "HTTP requests answered by the front",
@@ -28,7 +30,8 @@ PROMPT_TOKENS = Counter("agentkv_prompt_tokens", "Chat prompt tokens by how the 
 
 
 class RequestMetrics:
-    """ASGI middleware counting requests by route and status and timing each to its last byte.
+    """ASGI middleware counting requests by route and status and timing each to its last byte;
+    the response says where its time went before it started (``Server-Timing``, see ``timing``).
     Pure ASGI: a streamed body passes through with one extra call per message (Starlette's
     ``BaseHTTPMiddleware`` moves every chunk through a memory stream and a task instead)."""
 
@@ -38,12 +41,16 @@ class RequestMetrics:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        t0, status = time.perf_counter(), None
+        status, marks = None, timing.start()
+        t0 = marks["arrived"]
 
         async def send_(message):
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                spent = timing.header(marks)
+                if spent is not None:
+                    message = {**message, "headers": [*message.get("headers", ()), (b"server-timing", spent)]}
             await send(message)
 
         try:

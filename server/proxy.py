@@ -14,6 +14,7 @@ import msgspec
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from . import timing
 from .errors import error_body, error_response
 
 
@@ -101,12 +102,14 @@ class EngineClient:
         await self._http.close()
 
     async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> EngineResponse:
+        data = None if body is None else encode_json(body)
+        timing.mark("engine_sent")
         try:
-            if body is None:
-                return EngineResponse(await self._http.request(method, path))
-            return EngineResponse(await self._http.request(method, path, data=encode_json(body), headers=JSON))
+            resp = await self._http.request(method, path, data=data, headers=None if body is None else JSON)
         except _TRANSPORT as exc:
             raise EngineUnavailable(exc) from exc
+        timing.mark("engine_answered")
+        return EngineResponse(resp)
 
     async def _whole(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
         resp = await self._request(method, path, body)

@@ -65,6 +65,8 @@ def test_quick_front_benchmark_writes_results(server, tmp_path):
         a, e = (next(r for r in relay if r["target"] == t and r["concurrency"] == s["concurrency"])
                 for t in ("agentkv", "engine"))
         assert s["throughput_ratio"] == pytest.approx(a["decode_tok_s"] / e["decode_tok_s"])
+        # the front's own time before the engine, from its Server-Timing; vLLM sends none
+        assert 0 < a["context_ms_p50"] <= a["front_ms_p50"] == s["front_ms_p50"] and "front_ms_p50" not in e
     roles = processes(server.proc.pid)
     assert roles["front"][0].pid == server.proc.pid and roles["vllm api server"] and roles["engine core"]
     rows = relay_rows((server.base_url, server.api_key), (url, key), "agentkv-tiny", [2], 4, 1, lambda: None,

@@ -9,6 +9,8 @@ import httpx
 import openai
 import pytest
 
+from agentkv.server import timing
+
 MODEL = "agentkv-tiny"
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "current weather of a city",
@@ -56,6 +58,19 @@ def test_chat_stream_matches_non_stream_and_ends_with_usage(server):
     assert [getattr(chunks[-1].usage, k) for k in counts] == [getattr(full.usage, k) for k in counts]
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
         [full.choices[0].finish_reason]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_server_timing_says_what_the_front_added(server, stream):
+    """Server-Timing (W3C): the front's time before its engine request, which holds the context
+    step, then the engine's to its response headers; a stream's header comes before its body."""
+    raw = server.client().chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0, stream=stream)
+    spans = timing.parse(raw.headers["server-timing"])
+    assert set(spans) == {"front", "engine", "context"}
+    assert 0 < spans["context"] <= spans["front"] < 10_000 and spans["engine"] > 0
+    if stream:
+        assert any(c.choices for c in raw.parse())
 
 
 @pytest.mark.parametrize("max_tokens", [1, 3])

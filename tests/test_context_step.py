@@ -1,0 +1,82 @@
+"""Where the request path's context step runs: small conversations on the event loop, large ones
+and summaries on a thread; the result and the session log are the same either way."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+from agentkv.compaction.config import Compact
+from agentkv.compaction.policy import ContextManagement
+from agentkv.compaction.session_log import open_session_log
+from agentkv.server.config import ServeConfig
+from agentkv.server.context import INLINE_CHARS, ContextManager, manage
+from agentkv.server.sessions import SessionRef, Sessions
+
+NO_DEFAULT = ServeConfig(context_management=False)   # only the edits a test asks for
+
+
+class Note:
+    """The summarizer: a fixed note (what the summary says is not under test here)."""
+
+    def complete(self, messages, max_tokens):
+        return "Goal: fix the timeout."
+
+
+class Where(ContextManager):
+    """Records the thread each ``prepare`` call ran on, and whether it finished."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.calls: list[tuple[str, bool]] = []
+
+    def prepare(self, *a, **kw):
+        try:
+            out = super().prepare(*a, **kw)
+        except Exception:
+            self.calls.append((threading.current_thread().name, False))
+            raise
+        self.calls.append((threading.current_thread().name, True))
+        return out
+
+
+def conversation(system: str, tool_output_chars: int) -> list[dict]:
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Fix it."}]
+    for i in range(6):
+        msgs.append({"role": "assistant", "content": f"step {i}", "tool_calls": [
+            {"id": f"c{i}", "type": "function", "function": {"name": "bash", "arguments": json.dumps({"cmd": "ls"})}}]})
+        msgs.append({"role": "tool", "tool_call_id": f"c{i}", "content": "x " * (tool_output_chars // 12)})
+    return msgs
+
+
+def run(ctx, session: str, msgs: list[dict], policy: ContextManagement | None = None):
+    """(the event loop's thread, what manage prepared)."""
+    async def go():
+        prepared = await manage(ctx, NO_DEFAULT, 8192, "o", SessionRef(session), msgs, None, policy)
+        return threading.current_thread().name, prepared
+    return asyncio.run(go())
+
+
+def test_small_conversations_inline_large_ones_on_a_thread(renderer, tmp_path):
+    ctx = Where(Sessions(open_session_log(tmp_path / "log.db")), renderer, Note())
+    small = conversation("agent a", 6_000)
+    loop, prepared = run(ctx, "a", small)
+    assert ctx.calls == [(loop, True)] and prepared.messages == small
+    ctx.calls.clear()
+    big = conversation("agent b", 2 * INLINE_CHARS)
+    loop, prepared = run(ctx, "b", big)
+    assert len(ctx.calls) == 1 and ctx.calls[0][0] != loop and ctx.calls[0][1] and prepared.messages == big
+
+
+def test_a_summary_moves_the_step_to_a_thread_and_logs_each_message_once(renderer, tmp_path):
+    log = open_session_log(tmp_path / "log.db")
+    ctx = Where(Sessions(log), renderer, Note())
+    msgs = conversation("agent c", 3_000)
+    policy = ContextManagement(edits=[Compact(trigger=10, keep_recent_tokens=50)])
+    loop, prepared = run(ctx, "c", msgs, policy)
+    assert ctx.calls[0] == (loop, False)                        # stopped before calling the model
+    assert len(ctx.calls) == 2 and ctx.calls[1][0] != loop and ctx.calls[1][1]
+    assert [e["type"] for e in prepared.report["applied_edits"]] == ["compact"]
+    assert prepared.compaction is not None and prepared.compaction in prepared.messages
+    assert log.history("o/c") == msgs                           # the inline try's sync was not repeated
