@@ -43,3 +43,19 @@ def test_scenario_is_seeded_and_plants_every_asked_fact():
         assert q.fact in FACTS and f"The {q.fact} of the {q.service} service is {q.answer}." in reports[q.service]
     assert all(len(r.splitlines()) == 1 + 5 + len(FACTS) for r in reports.values())   # header, noise, facts
     assert all(len(turn[1]["content"].splitlines()) == 45 for turn in a.reading_turns)
+
+
+def test_ttft_difference_interval_and_verdict():
+    """The bench front's TTFT verdict: rounds resampled; a difference the rounds cannot resolve
+    against 5 ms reads "unresolved", never met or missed."""
+    from agentkv.benchmarks.front import p50_difference_interval, rounds_at, verdict
+
+    steady = [[10.0, 10.2, 10.1]] * 8
+    lo, hi = p50_difference_interval([[t + 2.0 for t in r] for r in steady], steady)
+    assert lo == hi == pytest.approx(2.0) and verdict(1.0, (lo, hi)) == "met"
+    # bursts that swing by 100s of ms either way: the interval spans the goal
+    swinging = [[100.0 * (i % 3)] * 4 for i in range(6)]
+    lo, hi = p50_difference_interval(swinging, swinging[::-1])
+    assert lo < 0 < 5 < hi and verdict(1.0, (lo, hi)) == "unresolved"
+    assert verdict(0.94, (0.0, 1.0)) == "missed" and verdict(1.0, (5.5, 9.0)) == "missed"
+    assert [rounds_at(c, 4, 32) for c in (1, 2, 4, 8, 64)] == [32, 16, 8, 4, 4] and rounds_at(1, 2, 0) == 2
