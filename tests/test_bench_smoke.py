@@ -67,6 +67,7 @@ def test_quick_front_benchmark_writes_results(server, tmp_path):
         assert s["throughput_ratio"] == pytest.approx(a["decode_tok_s"] / e["decode_tok_s"])
         lo, hi = s["ttft_p50_extra_interval_ms"]   # two rounds resampled: the interval, and a verdict on it
         assert lo <= hi and s["rounds"] == 2 and s["goal"] in ("met", "missed", "unresolved")
+        assert s["throughput_ratio_interval"][0] <= s["throughput_ratio_interval"][1]
         # the front's own time before the engine, from its Server-Timing; vLLM sends none
         assert 0 < a["context_ms_p50"] <= a["front_ms_p50"] == s["front_ms_p50"] and "front_ms_p50" not in e
     roles = processes(server.proc.pid)

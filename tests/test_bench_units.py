@@ -45,17 +45,20 @@ def test_scenario_is_seeded_and_plants_every_asked_fact():
     assert all(len(turn[1]["content"].splitlines()) == 45 for turn in a.reading_turns)
 
 
-def test_ttft_difference_interval_and_verdict():
-    """The bench front's TTFT verdict: rounds resampled; a difference the rounds cannot resolve
-    against 5 ms reads "unresolved", never met or missed."""
-    from agentkv.benchmarks.front import p50_difference_interval, rounds_at, verdict
+def test_relay_intervals_and_verdict():
+    """The bench front's verdict: rounds resampled; a difference the rounds cannot resolve against
+    its goal reads "unresolved", never met or missed."""
+    from agentkv.benchmarks.front import median_ratio, p50_difference, resampled_interval, rounds_at, verdict
 
     steady = [[10.0, 10.2, 10.1]] * 8
-    lo, hi = p50_difference_interval([[t + 2.0 for t in r] for r in steady], steady)
-    assert lo == hi == pytest.approx(2.0) and verdict(1.0, (lo, hi)) == "met"
+    ttft = resampled_interval([[t + 2.0 for t in r] for r in steady], steady, p50_difference)
+    decode = resampled_interval([99.0, 100.0, 101.0] * 3, [100.0, 101.0, 102.0] * 3, median_ratio)
+    assert ttft[0] == ttft[1] == pytest.approx(2.0) and 0.95 < decode[0] <= 0.99 <= decode[1] <= 1.01
+    assert verdict(decode, ttft) == "met"
     # bursts that swing by 100s of ms either way: the interval spans the goal
     swinging = [[100.0 * (i % 3)] * 4 for i in range(6)]
-    lo, hi = p50_difference_interval(swinging, swinging[::-1])
-    assert lo < 0 < 5 < hi and verdict(1.0, (lo, hi)) == "unresolved"
-    assert verdict(0.94, (0.0, 1.0)) == "missed" and verdict(1.0, (5.5, 9.0)) == "missed"
+    ttft = resampled_interval(swinging, swinging[::-1], p50_difference)
+    assert ttft[0] < 0 < 5 < ttft[1] and verdict((1.0, 1.0), ttft) == "unresolved"
+    assert verdict((0.5, 1.2), (0.0, 1.0)) == "unresolved"   # a starved client's decode rounds
+    assert verdict((0.90, 0.94), (0.0, 1.0)) == "missed" and verdict((1.0, 1.0), (5.5, 9.0)) == "missed"
     assert [rounds_at(c, 4, 32) for c in (1, 2, 4, 8, 64)] == [32, 16, 8, 4, 4] and rounds_at(1, 2, 0) == 2
