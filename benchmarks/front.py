@@ -107,6 +107,10 @@ def conversation(renderer, tokens: int, seed: int = 0) -> list[dict]:
 
 
 # -- 1. prompt work ------------------------------------------------------------------------------
+# decoded tokens a request, per model: agentkv-tiny decodes a 64-token stream in ~150 ms, less than
+# one stall of a client (or API server) that shares its core, and a stall read at once as a burst
+# is then most of the stream; 512 tokens keep the stream seconds long
+TOKENS = {SMOLLM2: 64, TINY: 512}
 WINDOW = 1 << 22  # the default policy for a window no conversation here reaches: no edit fires (the steady state)
 
 
@@ -444,7 +448,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="lines of one new tool result at the largest size (prompt part)")
     ap.add_argument("--tokenizer", help="tokenizer + chat template folder (default: the embedded SmolLM2)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    ap.add_argument("--tokens", type=int, default=64, help="decoded tokens per request (relay part)")
+    ap.add_argument("--tokens", type=int, help="decoded tokens per request (relay part; default: per model, "
+                    + ", ".join(f"{m} {n}" for m, n in TOKENS.items()) + ")")
     ap.add_argument("--rounds", type=int, default=4, help="A/B rounds per concurrency, at least (relay part)")
     ap.add_argument("--ttft-samples", type=int, default=32,
                     help="requests per target at each concurrency, at least: more rounds where streams are few")
@@ -484,7 +489,8 @@ def main(argv: list[str] | None = None) -> dict:
             model = ep.model()["id"]
             bar = tqdm(total=2 * sum(rounds_at(c, args.rounds, args.ttft_samples) for c in args.concurrency),
                        desc=f"relay A/B, {model}")
-            rows = relay_rows((ep.url, ep.api_key), engine, model, args.concurrency, args.tokens, args.rounds,
+            tokens = args.tokens or TOKENS.get(served, TOKENS[SMOLLM2])
+            rows = relay_rows((ep.url, ep.api_key), engine, model, args.concurrency, tokens, args.rounds,
                               lambda: bar.update(), roles=None if args.url else processes(ep.proc.pid),
                               samples=args.ttft_samples)
             relay += [{"model": model, **r} for r in rows]
@@ -505,7 +511,8 @@ def main(argv: list[str] | None = None) -> dict:
                   r.get("new_tokens", r.get("new_tokens_per_request", "")), r.get("cold_ms", ""), r["per_request_ms"],
                   r["per_request_cpu_ms"]] for r in prompt], machine_line(m))
     for model in models:
-        print_table(f"relay through agentkv vs the engine ({model}, {args.tokens} tokens a request)",
+        tokens = next(r["tokens_per_request"] for r in relay if r["model"] == model)
+        print_table(f"relay through agentkv vs the engine ({model}, {tokens} tokens a request)",
                     ["streams", "agentkv decode tok/s", "engine decode tok/s", "ratio [95%]", "end-to-end ratio",
                      "agentkv TTFT p50 ms", "engine TTFT p50 ms", "extra ms [95%]", "front before engine ms p50 (p90)",
                      "front CPU us/event", "vLLM API CPU us/event", "goal"],

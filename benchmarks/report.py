@@ -151,8 +151,8 @@ def _front(r: dict) -> str:
                      x.get("cold_ms"), x["per_request_ms"], x["per_request_cpu_ms"]] for x in r["prompt"]])
     out = f"Prompt work per request (tokenizer `{r['tokenizer']}`):\n\n" + prompt
     if r["relay_summary"]:
-        tokens = r["relay"][0]["tokens_per_request"]
-        out += (f"\n\nRelay, streamed, {tokens} tokens a request, through agentkv vs the engine directly "
+        tokens = ", ".join(f"{m} {n}" for m, n in {x["model"]: x["tokens_per_request"] for x in r["relay"]}.items())
+        out += (f"\n\nRelay, streamed, tokens a request: {tokens}; through agentkv vs the engine directly "
                 "(A/B interleaved; decode: median over rounds, TTFT: p50 of all requests; ratio and difference "
                 "with 95% intervals, rounds resampled; goal: decode ratio at least 0.95 and TTFT difference "
                 "at most 5 ms, met when both intervals are inside, unresolved when one spans its bound):\n\n")
