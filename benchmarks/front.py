@@ -107,10 +107,6 @@ def conversation(renderer, tokens: int, seed: int = 0) -> list[dict]:
 
 
 # -- 1. prompt work ------------------------------------------------------------------------------
-# decoded tokens a request, per model: agentkv-tiny decodes a 64-token stream in ~150 ms, less than
-# one stall of a client (or API server) that shares its core, and a stall read at once as a burst
-# is then most of the stream; 512 tokens keep the stream seconds long
-TOKENS = {SMOLLM2: 64, TINY: 512}
 WINDOW = 1 << 22  # the default policy for a window no conversation here reaches: no edit fires (the steady state)
 
 
@@ -193,6 +189,13 @@ def prompt_rows(renderer_of, sizes: list[int], turns: int, new_sizes: list[int])
 
 
 # -- 2. relay ------------------------------------------------------------------------------------
+# decoded tokens a request, per model: agentkv-tiny decodes a 64-token stream in ~150 ms, less than
+# one stall of a client (or API server) that shares its core, and a stall read at once as a burst
+# is then most of the stream; 512 tokens keep the stream seconds long (on two shared cores whole
+# streams still arrived at their end in some rounds: README, "front")
+TOKENS = {SMOLLM2: 64, TINY: 512}
+
+
 def engine_of(pid: int) -> tuple[str, str]:
     """(address, secret) of the vLLM engine under the agentkv server process ``pid``: its Unix socket
     from the engine's argv (``unix:PATH``), its secret from its environment (``VLLM_API_KEY``;
