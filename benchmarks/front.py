@@ -18,10 +18,11 @@ relay against the same engine reached directly.
    A B B A over ``--rounds`` (more at low concurrency: at least ``--ttft-samples`` requests per
    target): aggregate decode tokens/s (all streams' tokens after their first, over the time from the
    first first token to the last token; median over rounds), end-to-end tokens/s (all tokens over
-   the batch's wall time, TTFT included), TTFT p50 (all requests), 95% intervals of the decode ratio
-   and of the TTFT difference (rounds resampled: a round's streams share one burst, they are not
-   independent samples), so a difference the machine cannot resolve reads "unresolved", not met or
-   missed; and, when the
+   the batch's wall time, TTFT included), TTFT p50 (all requests), how much later a first token
+   comes through agentkv (the k-th of a burst against the k-th of the adjacent direct burst:
+   ``rank_difference``), 95% intervals of the decode ratio and of that TTFT difference (rounds
+   resampled: a round's streams share one burst, they are not independent samples), so a
+   difference the machine cannot resolve reads "unresolved", not met or missed; and, when the
    benchmark started the server, the CPU time per streamed event of each process (the front, vLLM's
    API server, its engine core and workers): the front's own cost, which the machine's noise does
    not blur the way it blurs wall times.
@@ -343,17 +344,30 @@ def relay_rows(front: tuple[str, str | None], engine: tuple[str, str], model: st
     return rows
 
 
-def resampled_interval(a: list, b: list, stat, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+def resampled_interval(a: list, b: list, stat, reps: int = 2000, seed: int = 0,
+                       paired: bool = False) -> tuple[float, float]:
     """95% interval of ``stat(a, b)`` with the rounds of ``a`` and ``b`` resampled (with
-    replacement): a round is the unit, its streams shared one burst and its prefill batches."""
+    replacement): a round is the unit, its streams shared one burst and its prefill batches.
+    ``paired``: round i of ``a`` goes with round i of ``b`` (adjacent in time), resampled together."""
     rng = random.Random(seed)
-    values = sorted(stat(rng.choices(a, k=len(a)), rng.choices(b, k=len(b))) for _ in range(reps))
+
+    def draw() -> tuple[list, list]:
+        if not paired:
+            return rng.choices(a, k=len(a)), rng.choices(b, k=len(b))
+        picks = rng.choices(range(len(a)), k=len(a))
+        return [a[i] for i in picks], [b[i] for i in picks]
+
+    values = sorted(stat(*draw()) for _ in range(reps))
     return values[int(0.025 * reps)], values[math.ceil(0.975 * reps) - 1]
 
 
-def p50_difference(a: list[list[float]], b: list[list[float]]) -> float:
-    """p50 of all of ``a``'s samples minus p50 of all of ``b``'s (rounds of samples)."""
-    return statistics.median(t for r in a for t in r) - statistics.median(t for r in b for t in r)
+def rank_difference(a: list[list[float]], b: list[list[float]]) -> float:
+    """How much later a stream's first token comes through agentkv: the median, over paired rounds
+    (round i of each target, adjacent in time) and over ranks, of the k-th first token of ``a``'s
+    burst minus the k-th of ``b``'s. Not the difference of two p50s: where prefills take turns, a
+    burst's TTFTs fall in modes (at 2 streams: one prefill step, two), half of all samples in each,
+    and their p50 lands in the empty gap between, where one slow round moves it by tens of ms."""
+    return statistics.median(x - y for ra, rb in zip(a, b) for x, y in zip(sorted(ra), sorted(rb)))
 
 
 def median_ratio(a: list[float], b: list[float]) -> float:
@@ -365,8 +379,8 @@ TTFT_GOAL_MS, DECODE_GOAL = 5.0, 0.95
 
 def verdict(decode: tuple[float, float], ttft: tuple[float, float]) -> str:
     """"met", "missed" or "unresolved" from the 95% intervals of the decode ratio (goal: at least
-    0.95) and of the TTFT p50 difference (goal: at most 5 ms): met when both intervals are inside
-    their goals, missed when either lies wholly outside, unresolved otherwise."""
+    0.95) and of the TTFT difference (``rank_difference``; goal: at most 5 ms): met when both
+    intervals are inside their goals, missed when either lies wholly outside, unresolved otherwise."""
     if decode[1] < DECODE_GOAL or ttft[0] > TTFT_GOAL_MS:
         return "missed"
     return "met" if decode[0] >= DECODE_GOAL and ttft[1] <= TTFT_GOAL_MS else "unresolved"
@@ -387,10 +401,11 @@ def relay_summary(rows: list[dict]) -> list[dict]:
                    "ttft_p50_extra_ms": a["ttft_p50_ms"] - e["ttft_p50_ms"],
                    "throughput_ratio_interval": resampled_interval(a["decode_tok_s_rounds"], e["decode_tok_s_rounds"],
                                                                    median_ratio),
-                   "ttft_p50_extra_interval_ms": resampled_interval(a["ttft_ms_rounds"], e["ttft_ms_rounds"],
-                                                                    p50_difference),
+                   "ttft_extra_ms": rank_difference(a["ttft_ms_rounds"], e["ttft_ms_rounds"]),
+                   "ttft_extra_interval_ms": resampled_interval(a["ttft_ms_rounds"], e["ttft_ms_rounds"],
+                                                                rank_difference, paired=True),
                    "rounds": len(a["ttft_ms_rounds"])}
-            row["goal"] = verdict(row["throughput_ratio_interval"], row["ttft_p50_extra_interval_ms"])
+            row["goal"] = verdict(row["throughput_ratio_interval"], row["ttft_extra_interval_ms"])
             if "front_ms_p50" in a:
                 row["front_ms_p50"], row["front_ms_p90"] = a["front_ms_p50"], a["front_ms_p90"]
             if "cpu_us_per_event" in a:
@@ -401,9 +416,10 @@ def relay_summary(rows: list[dict]) -> list[dict]:
 
 
 def extra_ms(s: dict) -> str:
-    """TTFT p50 through agentkv minus direct, with its 95% interval: ``+3.1 [+1.2, +4.4]``."""
-    lo, hi = s["ttft_p50_extra_interval_ms"]
-    return f"{s['ttft_p50_extra_ms']:+.1f} [{lo:+.1f}, {hi:+.1f}]"
+    """How much later a first token comes through agentkv (``rank_difference``), with its 95%
+    interval: ``+3.1 [+1.2, +4.4]``."""
+    lo, hi = s["ttft_extra_interval_ms"]
+    return f"{s['ttft_extra_ms']:+.1f} [{lo:+.1f}, {hi:+.1f}]"
 
 
 def ratio(s: dict) -> str:
@@ -412,7 +428,39 @@ def ratio(s: dict) -> str:
     return f"{s['throughput_ratio']:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
-def plot(prompt: list[dict], summary: list[dict], relay: list[dict], title: str):
+# -- 3. the engine's own prompt work -------------------------------------------------------------
+async def _tokenize(target: str, key: str | None, model: str, msgs: list[dict], reps: int) -> tuple[list[float], int]:
+    session, url = _session(target, key)
+    times, body = [], {}
+    async with session:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            async with session.post(f"{url}/tokenize", json={"model": model, "messages": msgs, "tools": TOOLS,
+                                                             "add_generation_prompt": True}) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"/tokenize: HTTP {r.status}: {(await r.read())[:300]!r}")
+                body = await r.json()
+            times.append(time.perf_counter() - t0)
+    return times, body["count"]
+
+
+def engine_render_rows(engine: tuple[str, str], model: str, conversations: list[tuple[int, list[dict]]],
+                       reps: int = 5) -> list[dict]:
+    """What vLLM's own API server does with every chat request's prompt before its engine sees it:
+    the whole chat template rendered and tokenized (its ``/tokenize`` route, which runs the same
+    preprocessing as its chat route, and nothing else), at the prompt part's conversation sizes
+    (``tokens``: the served tokenizer's count, ``engine_tokens``: the engine's). The front sends
+    vLLM messages, so a request through agentkv pays this on top of the front's own prompt work."""
+    rows = []
+    for tokens, msgs in conversations:
+        times, count = asyncio.run(_tokenize(*engine, model, msgs, reps))
+        rows.append({"part": "engine", "model": model, "tokens": tokens, "engine_tokens": count,
+                     "per_request_ms": statistics.median(times) * 1e3,
+                     "per_request_ms_all": [round(t * 1e3, 3) for t in times]})
+    return rows
+
+
+def plot(prompt: list[dict], engine_render: list[dict], summary: list[dict], relay: list[dict], title: str):
     plt = pyplot()
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.2))
     for mode, style in (("segments", "o-"), ("whole", "s--"), ("request body", "^:")):
@@ -421,11 +469,16 @@ def plot(prompt: list[dict], summary: list[dict], relay: list[dict], title: str)
             a.plot([r["tokens"] for r in rs], [r["per_request_ms"] for r in rs], style,
                    label={"segments": "context step, segments", "whole": "context step, whole render",
                           "request body": "request body (JSON, validation, sent on)"}[mode])
+    for model in dict.fromkeys(r["model"] for r in engine_render):
+        rs = [r for r in engine_render if r["model"] == model]
+        a.plot([r["tokens"] for r in rs], [r["per_request_ms"] for r in rs], "d-.",
+               label=f"vLLM's own render + tokenize ({model})")
     a.set_xscale("log")
     a.set_yscale("log")
     a.set_xlabel("conversation tokens (one new turn a request)")
-    a.set_ylabel("front time per request (ms)")
-    a.legend(fontsize=8)
+    a.set_ylabel("prompt work per request (ms)")
+    a.set_ylim(bottom=0.02)   # the legend's room, below every line
+    a.legend(fontsize=7, loc="lower right")
     for model in dict.fromkeys(r["model"] for r in relay):
         for name, style in (("agentkv", "o-"), ("engine", "s--")):
             rs = [r for r in relay if r["target"] == name and r["model"] == model]
@@ -433,6 +486,7 @@ def plot(prompt: list[dict], summary: list[dict], relay: list[dict], title: str)
             c.plot([r["concurrency"] for r in rs], [r["ttft_p50_ms"] for r in rs], style, label=f"{model}: {name}")
     for ax, label in ((b, "aggregate decode tokens/s"), (c, "TTFT p50 (ms)")):
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")   # two models, two orders of magnitude apart
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
@@ -485,7 +539,10 @@ def main(argv: list[str] | None = None) -> dict:
         return r
 
     prompt = prompt_rows(renderer, args.sizes, args.turns, args.new_sizes) if "prompt" in args.parts else []
-    relay = []
+    relay, engine_render = [], []
+    counter = renderer(True)
+    conversations = [(counter.count(c, TOOLS), c) for c in (conversation(counter, size) for size in args.sizes)] \
+        if "relay" in args.parts else []
     for served in ([None] if args.url else args.models) if "relay" in args.parts else []:
         with Endpoint(args.url, args.api_key, () if args.url else ("--model", served)) as ep:
             engine = (args.engine_url, args.engine_key) if args.url else engine_of(ep.proc.pid)
@@ -498,26 +555,33 @@ def main(argv: list[str] | None = None) -> dict:
                               samples=args.ttft_samples)
             relay += [{"model": model, **r} for r in rows]
             bar.close()
+            engine_render += engine_render_rows(engine, model, conversations)
     summary = relay_summary(relay) if relay else []
     m = machine()
     tok_name = Path(path).name
     models = list(dict.fromkeys(r["model"] for r in relay))
-    result = {"machine": m, "tokenizer": tok_name, "models": models, "prompt": prompt, "relay": relay,
-              "relay_summary": summary}
+    result = {"machine": m, "tokenizer": tok_name, "models": models, "prompt": prompt, "engine_render": engine_render,
+              "relay": relay, "relay_summary": summary}
     name = "front" + ("-quick" if args.quick else "")
-    fig = plot(prompt, summary, relay, f"agentkv front: prompt work ({tok_name}) and relay ({', '.join(models)})\n"
-                                       f"{machine_line(m)}")
+    fig = plot(prompt, engine_render, summary, relay,
+               f"agentkv front: prompt work ({tok_name}) and relay ({', '.join(models)})\n{machine_line(m)}")
     jpath, ppath = write_results(name, result, fig, args.out)
     print_table(f"front time per request ({tok_name})",
                 ["part", "mode", "tokens", "messages", "new tokens", "cold ms", "ms/request", "CPU ms/request"],
                 [[r["part"], r["mode"], r["tokens"], r.get("messages", ""),
                   r.get("new_tokens", r.get("new_tokens_per_request", "")), r.get("cold_ms", ""), r["per_request_ms"],
                   r["per_request_cpu_ms"]] for r in prompt], machine_line(m))
+    if engine_render:
+        print_table("vLLM's own prompt work per chat request (its /tokenize: the chat template rendered and tokenized)",
+                    ["model", "tokens", "engine tokens", "ms/request"],
+                    [[r["model"], r["tokens"], r["engine_tokens"], r["per_request_ms"]] for r in engine_render],
+                    machine_line(m))
     for model in models:
         tokens = next(r["tokens_per_request"] for r in relay if r["model"] == model)
         print_table(f"relay through agentkv vs the engine ({model}, {tokens} tokens a request)",
                     ["streams", "agentkv decode tok/s", "engine decode tok/s", "ratio [95%]", "end-to-end ratio",
-                     "agentkv TTFT p50 ms", "engine TTFT p50 ms", "extra ms [95%]", "front before engine ms p50 (p90)",
+                     "agentkv TTFT p50 ms", "engine TTFT p50 ms", "TTFT extra ms [95%]",
+                     "front before engine ms p50 (p90)",
                      "front CPU us/event", "vLLM API CPU us/event", "goal"],
                     [[s["concurrency"], s["agentkv_tok_s"], s["engine_tok_s"], ratio(s), s["e2e_ratio"],
                       s["agentkv_ttft_p50_ms"], s["engine_ttft_p50_ms"], extra_ms(s),

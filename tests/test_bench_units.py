@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from agentkv.benchmarks.kv_memory import kv_bytes, known_configs
@@ -48,17 +50,23 @@ def test_scenario_is_seeded_and_plants_every_asked_fact():
 def test_relay_intervals_and_verdict():
     """The bench front's verdict: rounds resampled; a difference the rounds cannot resolve against
     its goal reads "unresolved", never met or missed."""
-    from agentkv.benchmarks.front import median_ratio, p50_difference, resampled_interval, rounds_at, verdict
+    from agentkv.benchmarks.front import median_ratio, rank_difference, resampled_interval, rounds_at, verdict
 
     steady = [[10.0, 10.2, 10.1]] * 8
-    ttft = resampled_interval([[t + 2.0 for t in r] for r in steady], steady, p50_difference)
+    ttft = resampled_interval([[t + 2.0 for t in r] for r in steady], steady, rank_difference, paired=True)
     decode = resampled_interval([99.0, 100.0, 101.0] * 3, [100.0, 101.0, 102.0] * 3, median_ratio)
     assert ttft[0] == ttft[1] == pytest.approx(2.0) and 0.95 < decode[0] <= 0.99 <= decode[1] <= 1.01
     assert verdict(decode, ttft) == "met"
     # bursts that swing by 100s of ms either way: the interval spans the goal
     swinging = [[100.0 * (i % 3)] * 4 for i in range(6)]
-    ttft = resampled_interval(swinging, swinging[::-1], p50_difference)
+    ttft = resampled_interval(swinging, swinging[::-1], rank_difference, paired=True)
     assert ttft[0] < 0 < 5 < ttft[1] and verdict((1.0, 1.0), ttft) == "unresolved"
     assert verdict((0.5, 1.2), (0.0, 1.0)) == "unresolved"   # a starved client's decode rounds
     assert verdict((0.90, 0.94), (0.0, 1.0)) == "missed" and verdict((1.0, 1.0), (5.5, 9.0)) == "missed"
+    # two streams whose prefills take turns (~200 and ~400 ms): 2 ms later at each rank reads +2,
+    # where the p50 of all samples falls between the modes and moves with the slowest first
+    a = [[203.0 + i, 402.0 + i] for i in range(8)]
+    b = [[201.0 + i, 400.0 + i] for i in range(7)] + [[260.0, 400.0]]
+    assert rank_difference(a, b) == pytest.approx(2.0)
+    assert statistics.median(t for r in a for t in r) - statistics.median(t for r in b for t in r) < -20
     assert [rounds_at(c, 4, 32) for c in (1, 2, 4, 8, 64)] == [32, 16, 8, 4, 4] and rounds_at(1, 2, 0) == 2
