@@ -131,14 +131,14 @@ def _body_path(raw: bytes) -> None:
     encode_json(body)
 
 
-def prompt_rows(renderer_of, sizes: list[int], turns: int, new_sizes: list[int]) -> list[dict]:
-    """Per size and mode: the first request (cold) and ``turns`` requests adding one turn each."""
+def prompt_rows(renderer_of, bases: dict[int, list[dict]], turns: int, new_sizes: list[int]) -> list[dict]:
+    """Per conversation (``bases``: by the size asked for) and mode: the first request (cold) and
+    ``turns`` requests adding one turn each."""
     from ..server.sessions import SessionRef
 
     rows = []
     counter = renderer_of(True)
-    for size in sizes:
-        base = conversation(counter, size)
+    for size, base in bases.items():
         tokens = counter.count(base, TOOLS)
         rng = random.Random(size)
         grown = [base]
@@ -172,7 +172,7 @@ def prompt_rows(renderer_of, sizes: list[int], turns: int, new_sizes: list[int])
                      "bytes": len(raws[-1]), "per_request_ms": statistics.median(times) * 1e3,
                      "per_request_cpu_ms": statistics.median(cpu) * 1e3})
     if new_sizes:  # the largest conversation, one new message of each size
-        base = conversation(counter, sizes[-1])
+        base = list(bases.values())[-1]
         ctx, policy, log = _context_step(renderer_of(True), window=WINDOW)
         ctx.prepare("bench", SessionRef("grow"), base, TOOLS, policy, want_ids=True)
         msgs, rng = base, random.Random(1)
@@ -538,11 +538,11 @@ def main(argv: list[str] | None = None) -> dict:
             r.known = KnownMessages(max_lists=0)
         return r
 
-    prompt = prompt_rows(renderer, args.sizes, args.turns, args.new_sizes) if "prompt" in args.parts else []
-    relay, engine_render = [], []
     counter = renderer(True)
-    conversations = [(counter.count(c, TOOLS), c) for c in (conversation(counter, size) for size in args.sizes)] \
-        if "relay" in args.parts else []
+    bases = {size: conversation(counter, size) for size in args.sizes}   # built once, for both parts
+    prompt = prompt_rows(renderer, bases, args.turns, args.new_sizes) if "prompt" in args.parts else []
+    relay, engine_render = [], []
+    conversations = [(counter.count(c, TOOLS), c) for c in bases.values()] if "relay" in args.parts else []
     for served in ([None] if args.url else args.models) if "relay" in args.parts else []:
         with Endpoint(args.url, args.api_key, () if args.url else ("--model", served)) as ep:
             engine = (args.engine_url, args.engine_key) if args.url else engine_of(ep.proc.pid)
