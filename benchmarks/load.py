@@ -23,6 +23,7 @@ import uuid
 
 import numpy as np
 
+from ..server.options import KV_MODES
 from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, pyplot, write_results
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a shell command",
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--turns", type=int, default=10, help="requests per session")
     ap.add_argument("--tool-lines", type=int, default=30, help="lines per tool output")
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
-    ap.add_argument("--kv-reuse", choices=["recompute", "shift", "blend"], default="recompute",
+    ap.add_argument("--kv-reuse", choices=KV_MODES, default="recompute",
                     help="KV reuse asked for after clearing (shift/blend need the server's KV connector)")
     add_endpoint_args(ap)
     args = ap.parse_args(argv)

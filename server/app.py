@@ -9,19 +9,19 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from ..compaction.session_log import open_session_log
+from ..compaction.log.open import open_session_log
+from .api import completions, models, sessions
+from .api.chat import router as chat
+from .api.deps import Authorized, SupervisorDep, warm_context
+from .api.messages import router as messages
+from .api.responses import router as responses
 from .config import ServeConfig
-from .deps import Authorized, SupervisorDep, warm_context
+from .engine.client import EngineUnavailable
+from .engine.supervisor import EngineState, Supervisor
 from .errors import install_error_handlers
 from .limits import BodyLimit
 from .metrics import RequestMetrics, render
-from .proxy import EngineUnavailable
-from .routes_anthropic import router as anthropic_router
-from .routes_openai import router as openai_router
-from .routes_responses import router as responses_router
-from .routes_sessions import router as sessions_router
-from .sessions import Sessions
-from .supervisor import EngineState, Supervisor
+from .pipeline.sessions import Sessions
 
 
 def create_app(cfg: ServeConfig) -> FastAPI:
@@ -42,10 +42,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=int(cfg.max_request_mb * 2**20))
     app.add_middleware(RequestMetrics)
-    app.include_router(openai_router)
-    app.include_router(anthropic_router)
-    app.include_router(responses_router)
-    app.include_router(sessions_router)
+    for api in (chat, completions, models, messages, responses, sessions):
+        app.include_router(api.router)
 
     @app.get("/health")
     async def health(sup: SupervisorDep) -> Response:

@@ -74,7 +74,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     cfg = _config_from(ns)
     secure_home(sqlite_files(cfg.session_db_path))
-    from .supervisor import resolve_model_path
+    from .engine.supervisor import resolve_model_path
 
     resolve_model_path(cfg)  # an embedded model is built now (first run), so a failure is a CLI error
     try:

@@ -10,9 +10,9 @@ from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..compaction.session_log import is_postgres_url
+from ..compaction.log.open import is_postgres_url
 from .embedded_model.names import DEFAULT_MODEL
-from .kv_blend import Strategy
+from .options import BlendStrategy, KVMode
 
 
 def agentkv_home() -> Path:
@@ -62,10 +62,10 @@ class ServeConfig(BaseModel):
     compact_at: float = Field(0.75, gt=0, le=1, description="default policy: summarize at this fraction of the window")
     server_tools: bool = Field(False, description="offer the server-executed recall and note tools to every request")
     max_server_tool_rounds: int = Field(4, ge=1, le=16, description="bound on server tool calls per request")
-    kv_reuse: Literal["recompute", "shift", "blend"] = Field(
+    kv_reuse: KVMode = Field(
         "recompute", description="after clearing: recompute (exact), shift cached K/V with the kernel, or "
                                  "blend (shift, recompute a tail); shift/blend load agentkv's vLLM KV connector")
-    blend_strategy: Strategy = Field(
+    blend_strategy: BlendStrategy = Field(
         "tail", description="blend: which moved blocks are recomputed: the last (tail), the first after each cut "
                             "(cuts, EPIC-like) or those whose early-layer K/V moved most (deviation, CacheBlend-like)")
     blend_fraction: float = Field(0.15, ge=0, le=1, description="blend: fraction of the moved tokens recomputed")

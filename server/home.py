@@ -16,7 +16,7 @@ import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ..compaction.session_log import is_postgres_url
+from ..compaction.log.open import is_postgres_url
 from .config import agentkv_home
 
 log = logging.getLogger("agentkv.home")

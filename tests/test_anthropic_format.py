@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from anthropic_log import rebuild, strip_cache
 
-from agentkv.server.anthropic_format import chat_request, conversation, engine_message
-from agentkv.server.anthropic_stream import EventStream, message
+from agentkv.server.api.messages.convert import chat_request, conversation, engine_message
+from agentkv.server.api.messages.encode import EventStream, message
 from agentkv.server.errors import APIError
 
 WORDS = st.text(alphabet="abc xyz\n", min_size=1, max_size=12)
@@ -155,9 +155,9 @@ def test_chat_request_maps_sampling_and_tool_choice_and_passes_vllm_extras():
             "top_k": 3, "tool_choice": {"type": "tool", "name": "bash", "disable_parallel_tool_use": True},
             "thinking": {"type": "enabled", "budget_tokens": 2048}, "output_config": {"effort": "high"},
             "metadata": {"user_id": "u"}, "context_management": {"edits": []}, "stream": True, "seed": 7}
-    out = chat_request(body, "m", [{"role": "user", "content": "x"}], [{"type": "function"}])
-    assert out == {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 9, "stream": True,
-                   "temperature": 0.5, "top_k": 3, "stop": ["END"], "tools": [{"type": "function"}],
+    out = chat_request(body, "m")
+    assert out == {"model": "m", "max_tokens": 9, "stream": True,
+                   "temperature": 0.5, "top_k": 3, "stop": ["END"],
                    "tool_choice": {"type": "function", "function": {"name": "bash"}},
                    "parallel_tool_calls": False, "seed": 7}
 

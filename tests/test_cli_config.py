@@ -14,7 +14,7 @@ import pytest
 
 from agentkv.server.cli import build_parser
 from agentkv.server.config import ServeConfig
-from agentkv.server.engine import EngineProcess
+from agentkv.server.engine.process import EngineProcess
 
 
 def _serve_flags() -> set[str]:
@@ -93,7 +93,7 @@ def test_socket_folders_of_killed_fronts_are_removed():
     it, and only it: not a live engine's, not one whose engine is still starting."""
     from pathlib import Path
 
-    from agentkv.server.engine import SOCKET_PREFIX, remove_stale_socket_folders
+    from agentkv.server.engine.process import SOCKET_PREFIX, remove_stale_socket_folders
 
     tmp_path = Path(tempfile.mkdtemp(prefix="akv-", dir="/tmp"))   # short: a socket path has 107 bytes
 

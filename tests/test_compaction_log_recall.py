@@ -12,8 +12,8 @@ import time
 
 from agentkv.compaction.clearing import clear_tool_uses
 from agentkv.compaction.config import ClearToolUses, Compact
-from agentkv.compaction.recall import format_hits, recall
-from agentkv.compaction.session_log import open_session_log
+from agentkv.compaction.log.recall import format_hits, recall
+from agentkv.compaction.log.open import open_session_log
 from agentkv.compaction.summarize import summarize
 
 
@@ -84,7 +84,7 @@ def test_notes_are_stored_per_session(log_target):
 
 WRITER = """
 import sys
-from agentkv.compaction.session_log import open_session_log
+from agentkv.compaction.log.open import open_session_log
 log = open_session_log(sys.argv[1])
 i = 0
 while True:
@@ -133,7 +133,7 @@ def test_postgres_log_reconnects_after_the_server_drops_it(postgres_db):
 def test_sqlite_checkpoints_run_off_the_request_path(tmp_path, monkeypatch):
     """Requests' commits never checkpoint (the automatic checkpoint is off); a thread of the log's
     own copies the WAL into the database file, so it does not grow without bound."""
-    from agentkv.compaction.session_log_sqlite import SQLiteLog
+    from agentkv.compaction.log.sqlite import SQLiteLog
 
     monkeypatch.setattr(SQLiteLog, "CHECKPOINT_S", 0.05)
     db = tmp_path / "log.db"

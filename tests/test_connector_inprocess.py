@@ -15,7 +15,7 @@ from agentkv.compaction.clearing import clear_tool_uses
 from agentkv.compaction.config import ClearToolUses
 from agentkv.compaction.prompt import PromptRenderer
 from agentkv.server.embedded_model import TinyModelSpec, build_model
-from agentkv.server.kv_reuse import transfer_config
+from agentkv.kernels.connector.params import transfer_config
 
 STEP_TOKENS = 256
 

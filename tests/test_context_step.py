@@ -9,10 +9,10 @@ import threading
 
 from agentkv.compaction.config import Compact
 from agentkv.compaction.policy import ContextManagement
-from agentkv.compaction.session_log import open_session_log
+from agentkv.compaction.log.open import open_session_log
 from agentkv.server.config import ServeConfig
-from agentkv.server.context import INLINE_CHARS, ContextManager, manage
-from agentkv.server.sessions import SessionRef, Sessions
+from agentkv.server.pipeline.context import INLINE_CHARS, ContextManager, manage
+from agentkv.server.pipeline.sessions import SessionRef, Sessions
 
 NO_DEFAULT = ServeConfig(context_management=False)   # only the edits a test asks for
 

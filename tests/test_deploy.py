@@ -19,7 +19,7 @@ import yaml
 from agentkv.server.app import create_app
 from agentkv.server.cli import build_parser
 from agentkv.server.config import ServeConfig
-from agentkv.server.sessions import SOURCES
+from agentkv.server.pipeline.sessions import SOURCES
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 REPO = DEPLOY.parent

@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentkv.server.engine_stream import decode_json, sse_data
+from agentkv.server.pipeline.engine_call import decode_json, sse_data
 
 CHUNKS = [{"id": "c", "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
           for text in ["plain", "line\u2028sep and \u2029para", "new\nline", "\u00e9t\u00e9 \U0001f600", "quote \" \\"]]

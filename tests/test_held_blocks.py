@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from vllm.v1.core.block_pool import BlockPool
 
-from agentkv.kernels.held_blocks import PRIME, PROMPT, HeldBlocks
+from agentkv.kernels.connector.held_blocks import PRIME, PROMPT, HeldBlocks
 
 BS = 4
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from agentkv.server.kv_blend import KVBlend, budget_blocks, candidates, holes, movable_end, plan, rank, splice
+from agentkv.server.options import KVBlend
+from agentkv.server.kv.blend import budget_blocks, candidates, holes, movable_end, plan, rank, splice
 
 
 @dataclass
@@ -79,7 +80,7 @@ def test_probe_reads_layer_one_kv_as_the_whole_model_computes_it(tiny_model_dir)
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agentkv.server.kv_probe import Probe
+    from agentkv.server.kv.probe import Probe
 
     probe = Probe(str(tiny_model_dir))
     ids = [(i * 37) % 2000 + 5 for i in range(300)]

@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import start_server
 
-from agentkv.kernels.connector_stats import REASONS
+from agentkv.kernels.connector.params import FALLBACKS as REASONS
 from agentkv.server.cli import main
 
 

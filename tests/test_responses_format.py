@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from agentkv.server.compaction_item import CompactionSeal, load_key
+from agentkv.server.pipeline.compaction_item import CompactionSeal, load_key
 from agentkv.server.errors import APIError
-from agentkv.server.responses_format import to_chat_tool_choice, to_chat_tools, to_messages, to_usage
-from agentkv.server.responses_stream import EventStream, OutputBuilder, finish_response, whole_message_delta
+from agentkv.server.api.responses.convert import to_chat_tool_choice, to_chat_tools, to_messages, to_usage
+from agentkv.server.api.responses.encode import EventStream, OutputBuilder, finish_response, whole_message_delta
 
 SEAL = CompactionSeal(b"k" * 32)
 EVENT = TypeAdapter(ResponseStreamEvent)
@@ -212,7 +212,7 @@ def test_empty_answer_is_an_empty_message_and_length_is_incomplete():
 
 def test_stored_responses_rebuild_their_chain(log_target):
     """store: true keeps each response's turn; a chain of them is the conversation (forks too)."""
-    from agentkv.compaction.session_log import open_session_log
+    from agentkv.compaction.log.open import open_session_log
 
     log = open_session_log(log_target)
     turn = lambda q, a: [{"role": "user", "content": q}, {"role": "assistant", "content": a}]  # noqa: E731

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from conftest import API_KEY, OTHER_KEY, start_server, stop_server
 from agentkv.server.config import ServeConfig, url_passwords
-from agentkv.server.engine import EngineProcess
+from agentkv.server.engine.process import EngineProcess
 from agentkv.server.home import secure_home
 
 MODEL = "agentkv-tiny"

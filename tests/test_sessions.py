@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from agentkv.compaction.session_log import open_session_log
+from agentkv.compaction.log.open import open_session_log
 from agentkv.server.errors import APIError
-from agentkv.server.sessions import SOURCES, SessionRef, Sessions, derived_id, session_ref
+from agentkv.server.pipeline.sessions import SOURCES, SessionRef, Sessions, derived_id, session_ref
 
 CLAUDE = "0f8e2c1a-3b4d-4e5f-8a9b-1c2d3e4f5a6b"
 

@@ -12,8 +12,8 @@ import sys
 import time
 
 from agentkv.server.config import ServeConfig
-from agentkv.server.engine import EngineProcess
-from agentkv.server.supervisor import EngineState, Supervisor
+from agentkv.server.engine.process import EngineProcess
+from agentkv.server.engine.supervisor import EngineState, Supervisor
 
 DROPS_AFTER_HEALTH = r"""
 import http.server, socket, socketserver, sys

@@ -1,0 +1,153 @@
+"""vLLM KV connector that reuses K/V after clearing instead of recomputing it: a thin adapter.
+
+Loaded by vLLM through its public connector API (``params.transfer_config`` is its config)::
+
+    --kv-transfer-config '{"kv_connector": "AgentKVConnector", "kv_role": "kv_both",
+                           "kv_connector_module_path": "agentkv.kernels.connector.plugin",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"hold_fraction": 0.25, "hold_ttl_s": 300}}'
+
+vLLM makes one instance in the scheduler process (role SCHEDULER) and one per worker (role
+WORKER, one per tensor-parallel rank); they share nothing but the per-step metadata. The
+scheduler side (``scheduler.ReuseScheduler``, ``held_blocks.HeldBlocks``) holds each
+session's last prompt blocks in vLLM's block pool and plans which of them supply a new prompt after
+an edit; the worker side (``worker.KVMover``) moves those tokens between blocks of vLLM's own KV
+tensors with ``move_tokens`` (keys re-rotated by the position delta). Whatever cannot be supplied
+is computed by vLLM: claims are made only for K/V that is held, and a load that fails on a worker
+is reported as failed blocks, which vLLM recomputes (``kv_load_failure_policy: recompute``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole)
+
+from .params import DEFAULTS
+from .scheduler import ReuseScheduler
+from .stats import AgentKVPromMetrics, AgentKVStats
+from .worker import KVMover, LoadSpec, check_support
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+try:  # vLLM's logger, so the connector's lines appear in the engine log
+    from vllm.logger import init_logger
+
+    log = init_logger("vllm.agentkv_connector")
+except ImportError:  # pragma: no cover
+    log = logging.getLogger("vllm.agentkv_connector")
+
+
+@dataclass
+class AgentKVMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+class AgentKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = {**DEFAULTS, **(self._kv_transfer_config.kv_connector_extra_config or {})}
+        rope, unsupported = check_support(vllm_config)
+        if unsupported:
+            log.warning("agentkv connector: shifting disabled (%s); every edit recomputes", unsupported)
+        self.scheduler: ReuseScheduler | None = None
+        self.mover: KVMover | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = ReuseScheduler(vllm_config.cache_config.block_size, unsupported,
+                                            float(extra["hold_fraction"]), float(extra["hold_ttl_s"]))
+        else:
+            self.mover = KVMover(rope)
+        self._failed_blocks: set[int] = set()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Best effort: a load that does not happen is recomputed, nothing is handed off."""
+        return False
+
+    # ---- scheduler side: called by vLLM's scheduler, one thread, in the engine-core process ----
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        """Once, after the KV cache manager exists: the pool whose blocks we hold (touch/unpin)."""
+        self.scheduler.bind(gpu_block_pool)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Before admitting ``request`` (maybe several times while it waits): how many tokens after
+        its block-aligned local prefix hit this connector supplies. Synchronous loads only. Its
+        one side effect: held blocks are given back when the pool cannot fit the request."""
+        return self.scheduler.matched(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
+        """After vLLM allocated the request's blocks: the claim stands for ``num_external_tokens``."""
+        self.scheduler.allocated(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """End of each schedule(): this step's loads (block ids of held sources and destinations)."""
+        return AgentKVMetadata(self.scheduler.build_loads(scheduler_output))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """After each step: blocks the workers failed to load mark their requests' outcome."""
+        if connector_output.invalid_block_ids:
+            self.scheduler.load_errors(connector_output.invalid_block_ids)
+
+    def has_pending_block_frees(self) -> bool:
+        """vLLM cannot allocate for a running request: True if held blocks were given back just now
+        (the scheduler retries next step instead of preempting)."""
+        return self.scheduler.pressure()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Once per request, before vLLM frees its blocks: hold them for the session (our own
+        reference, so vLLM frees them now as usual) and report an edit's outcome."""
+        return False, self.scheduler.finished(request, block_ids)
+
+    def get_kv_connector_stats(self) -> AgentKVStats | None:
+        """After each step (scheduler side; the worker side has none): outcomes since the last call."""
+        return self.scheduler.take_stats() if self.scheduler is not None else None
+
+    def reset_cache(self) -> bool:
+        """vLLM's prefix-cache reset: forget every held entry."""
+        if self.scheduler is not None:
+            self.scheduler.reset()
+        return True
+
+    # ---- worker side: called by the model runner of each worker, around every forward pass ----
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Once, with this worker's KV tensors (its shard of the heads): kept as views."""
+        self.mover.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Before the forward pass of a step with loads: every claimed token is in place when it
+        returns. Failed loads are remembered for ``get_block_ids_with_load_errors``."""
+        meta = self._get_connector_metadata()
+        if isinstance(meta, AgentKVMetadata) and meta.loads:
+            self._failed_blocks |= self.mover.load(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return   # nothing is saved: the blocks stay where vLLM wrote them
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """After each step: blocks whose load failed in it (then forgotten)."""
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    # ---- vLLM's stats path (API server process) ----------------------------------------------
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> AgentKVStats:
+        return AgentKVStats(data=data) if data else AgentKVStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return AgentKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

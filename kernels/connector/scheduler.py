@@ -1,0 +1,213 @@
+"""Scheduler side of the connector: what to hold, what to claim, and what came of it.
+
+The front's instructions arrive per request as ``params.Params`` (see ``params`` for what each
+field asks); the outcome of an edit (tokens reused, or why it fell back) goes back with the
+finished request as a ``params.Outcome`` and into the counters of ``stats``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .params import Outcome, Params, Primed
+from .stats import AgentKVStats
+from .held_blocks import PRIME, PROMPT, HeldBlocks, HeldEntry
+from .worker import LoadSpec
+from ..plan import Span
+from .reuse_plan import Run, clip, cover
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.agentkv_connector")
+
+
+def params_of(kv_transfer_params: dict | None) -> Params | None:
+    """The front's instructions for a request, or None (malformed ones are ignored with a log line:
+    a bad hint must never fail the request)."""
+    try:
+        return Params.from_wire(kv_transfer_params)
+    except ValueError as exc:
+        log.warning("agentkv connector: ignoring %s", exc)
+        return None
+
+
+def _spans(p: Params) -> tuple[Span, ...]:
+    return tuple(Span(*s) for s in p.spans)
+
+
+@dataclass
+class Claim:
+    request_id: str
+    session: str
+    entries: list[HeldEntry | None]   # by reuse_plan source index
+    runs: list[Run]
+    start: int
+    end: int
+
+
+@dataclass
+class ReuseScheduler:
+    block_size: int
+    unsupported: str | None          # why nothing can be shifted in this engine, or None
+    hold_fraction: float
+    ttl_s: float
+    held: HeldBlocks | None = None
+    claims: dict[str, Claim] = field(default_factory=dict)
+    loading: dict[str, LoadSpec] = field(default_factory=dict)
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    stats: AgentKVStats = field(default_factory=AgentKVStats)
+    _reported_held: int = -1
+
+    def bind(self, pool: BlockPool) -> None:
+        budget = int(self.hold_fraction * pool.num_gpu_blocks) if self.unsupported is None else 0
+        self.held = HeldBlocks(pool, self.block_size, budget, self.ttl_s)
+        if self.unsupported is None and budget <= 0:
+            log.warning("agentkv connector: the held-block budget is zero (hold_fraction %s of %d blocks): "
+                        "nothing is held, every edit recomputes", self.hold_fraction, pool.num_gpu_blocks)
+        elif self.unsupported is None:
+            log.info("agentkv connector: holding up to %d of %d KV blocks for sessions' next turns, "
+                     "for at most %.0f s each", budget, pool.num_gpu_blocks, self.ttl_s)
+
+    # -- admission -------------------------------------------------------------------------
+    def matched(self, request: Request, num_computed: int) -> int:
+        """Tokens after ``num_computed`` (vLLM's block-aligned local hit) this connector supplies."""
+        p = params_of(request.kv_transfer_params)
+        if self.held is None:
+            return 0
+        need = -(-request.num_tokens // self.block_size) + 1
+        planned = frozenset(id(e) for c in self.claims.values() if c.request_id != request.request_id
+                            for e in c.entries if e is not None)
+        self.held.make_room(need, keep=p.session if p else None, protect=planned)
+        if p is None or not p.spans or p.prime or request.num_preemptions:
+            return 0
+        self.claims.pop(request.request_id, None)
+        claim, why = self._plan(request, p, num_computed, need)
+        self.outcomes[request.request_id] = Outcome(claim.end - claim.start if claim else 0, why)
+        if claim is None:
+            return 0
+        self.held.pin([e for e in claim.entries if e is not None])
+        self.claims[request.request_id] = claim
+        return claim.end - claim.start
+
+    def _plan(self, request: Request, p: Params, start: int, need: int) -> tuple[Claim | None, str | None]:
+        if self.unsupported is not None:
+            return None, "unsupported"
+        if self.held.budget <= 0:
+            return None, "no_budget"
+        prompt = self.held.get(p.session, PROMPT)
+        if prompt is None:
+            return None, self.held.missing_reason(p.session)
+        prime = self.held.get(p.session, PRIME) if any(n for _, _, n in p.spans) else None
+        entries = [prompt, prime]
+        repin = sum(len(e.blocks) for e in entries if e is not None and not e.pinned)
+        if repin and self.held.pool.get_num_free_blocks() - repin < need:
+            return None, "evicted"                   # memory pressure: its blocks are needed
+        ids = request.prompt_token_ids or []
+        limit = len(ids) - 1 if p.limit is None else min(p.limit, len(ids) - 1)
+        cov = cover(ids, [None if e is None else e.token_ids for e in entries], _spans(p), start, limit)
+        end = cov.end // self.block_size * self.block_size
+        if end <= start:
+            if cov.stop == "missing":
+                return None, self.held.missing_reason(p.session)
+            return None, "prompt_changed" if cov.stop == "mismatch" and cov.end - start < self.block_size \
+                else "too_short"
+        runs = clip(cov.runs, end)
+        return Claim(request.request_id, p.session,
+                     [e if any(r.source == i for r in runs) else None for i, e in enumerate(entries)],
+                     runs, start, end), None
+
+    def allocated(self, request: Request, num_external: int) -> None:
+        """vLLM allocated blocks for ``num_external`` claimed tokens (it may take fewer, or none)."""
+        claim = self.claims.get(request.request_id)
+        if claim is None:
+            return
+        if num_external <= 0:
+            del self.claims[request.request_id]
+            self.outcomes[request.request_id] = Outcome(0, None)    # its own prefix hit covered it
+        elif claim.start + num_external < claim.end:
+            claim.end = claim.start + num_external
+            claim.runs = clip(claim.runs, claim.end)
+            self.outcomes[request.request_id] = Outcome(num_external, None)
+
+    # -- each step -------------------------------------------------------------------------
+    def build_loads(self, out: SchedulerOutput) -> list[LoadSpec]:
+        """Loads for the requests scheduled for the first time this step; then give back what
+        their sessions held before (the loads' block ids are taken, the worker runs this step's
+        loads before any later step can reuse those blocks)."""
+        loads = []
+        if self.held is None:
+            return loads
+        for new in out.scheduled_new_reqs:
+            claim = self.claims.pop(new.req_id, None)
+            if claim is not None:
+                spec = LoadSpec(new.req_id, list(new.block_ids[0]),
+                                [[] if e is None else e.block_ids for e in claim.entries],
+                                [(r.source, r.src_start, r.dst_start, r.length) for r in claim.runs])
+                loads.append(spec)
+                self.loading[new.req_id] = spec
+            sp = new.sampling_params
+            p = params_of((sp.extra_args or {}).get("kv_transfer_params") if sp is not None else None)
+            if p is not None and not p.prime and not p.keep:
+                self.held.drop(p.session)
+        self.held.expire()
+        if loads:
+            log.info("agentkv connector: step loads %s",
+                     [(s.req_id[-8:], sum(r[3] for r in s.runs), len(s.runs)) for s in loads])
+        return loads
+
+    def load_errors(self, invalid_block_ids: set[int]) -> None:
+        """The workers could not write these blocks; vLLM recomputes the requests that claimed them."""
+        for req_id, spec in self.loading.items():
+            if spec.dst_block_ids(self.block_size) & invalid_block_ids:
+                self.outcomes[req_id] = Outcome(0, "load_failed")
+
+    def pressure(self) -> bool:
+        """vLLM cannot allocate for a running request: give held blocks back instead of preempting."""
+        return self.held is not None and self.held.release_all("pressure")
+
+    # -- end of a request ------------------------------------------------------------------
+    def finished(self, request: Request, block_ids: list[int]) -> dict | None:
+        """Hold the prompt blocks of a request that finished normally; report an edit's outcome."""
+        from vllm.v1.request import RequestStatus
+
+        self.claims.pop(request.request_id, None)
+        self.loading.pop(request.request_id, None)
+        p = params_of(request.kv_transfer_params)
+        ok = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
+                                RequestStatus.FINISHED_REPETITION)
+        prompt = request.prompt_token_ids or []
+        if (p is not None and not p.keep and ok and self.held is not None and self.unsupported is None
+                and request.num_computed_tokens >= len(prompt)):
+            self.held.hold(p.session, PRIME if p.prime else PROMPT, np.asarray(prompt, dtype=np.int64), block_ids)
+        outcome = self.outcomes.pop(request.request_id, None)
+        if p is not None and p.prime and self.held is not None:   # what the front's blend plans need
+            entry = self.held.get(p.session, PROMPT)
+            return Primed(self.block_size, 0 if entry is None else len(entry.token_ids)).to_wire()
+        if outcome is None:
+            return None
+        if outcome.fallback:
+            log.info("agentkv connector: %s recomputes what it could have reused: %s", request.request_id,
+                     outcome.fallback)
+        self.stats.count(outcome.fallback, outcome.reused_tokens)
+        return outcome.to_wire()
+
+    def take_stats(self) -> AgentKVStats | None:
+        held = self.held.held_blocks if self.held is not None else 0
+        if held != self._reported_held:
+            self.stats.data["held_blocks"] = self._reported_held = held
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, AgentKVStats()
+        return stats
+
+    def reset(self) -> None:
+        if self.held is not None:
+            self.held.forget_all()
+        self.claims.clear()

@@ -1,0 +1,74 @@
+"""Chat Completions (and Completions) request bodies, validated at the edge. Unknown fields pass
+through to vLLM untouched, but for the engine fields only the server sets (``options.SERVER_ONLY``)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ....compaction.policy import ContextManagement
+from ...options import AGENTKV_FIELDS, AgentKVFields, require_utf8
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class _PassThrough(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class FunctionCall(_PassThrough):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_PassThrough):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_PassThrough):
+    role: Role
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(_PassThrough):
+    include_usage: bool | None = None
+
+
+class _Sampling(_PassThrough):
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=16)
+
+
+class ChatCompletionRequest(_Sampling, AgentKVFields):
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=20_000)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    context_management: ContextManagement | None = None   # agentkv's (Anthropic's edits, on chat)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+# set by the front only: a client's value could make the KV connector hold or move blocks
+ENGINE_ONLY_FIELDS = ("kv_transfer_params",)
+
+
+def forward_body(req: _Sampling, model_name: str) -> dict[str, Any]:
+    """The JSON sent on to vLLM: what the client sent (less agentkv's own fields), with the served
+    model name filled in."""
+    body = req.model_dump(exclude_unset=True, exclude_none=False, exclude=set(AGENTKV_FIELDS + ENGINE_ONLY_FIELDS))
+    body["model"] = req.model or model_name
+    return require_utf8(body)

@@ -1,0 +1,23 @@
+"""OpenAI Chat Completions: POST /v1/chat/completions, one shared turn (``pipeline.turn``)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from ...pipeline.turn import TurnInput, prepare_turn, session_of
+from ..deps import ContextDep, EngineDep, OwnerDep
+from . import encode
+from .protocol import ChatCompletionRequest, forward_body
+
+router = APIRouter(prefix="/v1")
+
+
+@router.post("/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request, engine: EngineDep,
+                           owner: OwnerDep, ctx: ContextDep) -> Response:
+    body = forward_body(req, request.app.state.cfg.model_name)
+    messages, tools = body.pop("messages"), body.pop("tools", None)
+    turn = await prepare_turn(request.app.state, engine, ctx, owner, TurnInput(
+        messages, tools, body, req, session_of(request.headers, req, body), req.context_management))
+    return await (encode.stream if req.stream else encode.complete)(turn)

@@ -1,0 +1,25 @@
+"""OpenAI Completions: POST /v1/completions, relayed to the engine (text or token-id prompts; no
+session, no context step)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..engine.client import EngineUnavailable, relay_stream, unavailable
+from .chat.protocol import CompletionRequest, forward_body
+from .deps import EngineDep, OwnerDep
+
+router = APIRouter(prefix="/v1")
+
+
+@router.post("/completions")
+async def completions(req: CompletionRequest, request: Request, engine: EngineDep, _: OwnerDep) -> Response:
+    body = forward_body(req, request.app.state.cfg.model_name)
+    try:
+        if body.get("stream"):
+            return await relay_stream(await engine.post_stream("/v1/completions", body))
+        status, payload = await engine.post_json("/v1/completions", body)
+    except EngineUnavailable as exc:
+        return unavailable(exc)
+    return JSONResponse(payload, status_code=status)

@@ -1,0 +1,91 @@
+"""FastAPI dependencies: the engine client (503 while it is not ready) and API-key auth.
+
+All are ``async def``: FastAPI runs a plain ``def`` dependency in its thread pool, a thread hop per
+dependency per request; these never block (the context manager's one-time build runs in a thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hashlib
+import hmac
+import logging
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from ..errors import APIError
+from ..engine.client import EngineClient
+from ..engine.supervisor import Supervisor
+
+log = logging.getLogger("agentkv.deps")
+
+
+async def get_supervisor(request: Request) -> Supervisor:
+    return request.app.state.supervisor
+
+
+async def owner_of(request: Request) -> str:
+    """Who is calling: a digest of the API key (``local`` when the server takes no keys).
+    Sessions are namespaced by it, so one key never sees another's sessions."""
+    keys = request.app.state.cfg.api_key
+    if not keys:
+        return "local"
+    auth = request.headers.get("authorization", "")
+    given = auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+    if not any(hmac.compare_digest(given.encode(), k.encode()) for k in keys):
+        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+    return hashlib.sha256(given.encode()).hexdigest()[:16]
+
+
+async def get_engine(sup: Annotated[Supervisor, Depends(get_supervisor)]) -> EngineClient:
+    if not sup.healthy() or sup.client is None:
+        detail = f" ({sup.error})" if sup.error else ""
+        raise APIError(503, f"the inference engine is {sup.state.value}{detail}", code="engine_unavailable")
+    return sup.client
+
+
+async def get_context(request: Request, engine: Annotated[EngineClient, Depends(get_engine)]):
+    """The context manager, made once the engine is up (it needs the model's tokenizer)."""
+    state = request.app.state
+    if getattr(state, "context", None) is None:
+        await asyncio.to_thread(_make_context, state)
+    return state.context
+
+
+async def warm_context(state) -> None:
+    """Build the context manager (its tokenizer, transformers' import: seconds) while the engine
+    starts, so the first request does not wait for it; a failure here is the first request's to report."""
+    await state.supervisor.model_known.wait()
+    try:
+        await asyncio.to_thread(_make_context, state)
+    except Exception:  # noqa: BLE001 - get_context tries again and answers with the error
+        log.warning("the context manager could not be built yet", exc_info=True)
+        return
+    # what start-up built (transformers, the tokenizer: millions of objects) lives as long as the
+    # server: out of the collector's sight, a full collection no longer walks it (it cost the front
+    # ~9% of its CPU under load; vLLM's API server does the same)
+    gc.collect()
+    gc.freeze()
+
+
+def _make_context(state) -> None:
+    if getattr(state, "context", None) is None:
+        with state.context_lock:
+            if getattr(state, "context", None) is None:
+                from ...compaction.prompt import PromptRenderer
+                from ..pipeline.context import ContextManager
+                from ..engine.summarizer import EngineModelClient
+
+                sup = state.supervisor
+                state.context = ContextManager(state.sessions, PromptRenderer.from_pretrained(sup.model_path),
+                                               EngineModelClient(sup, state.cfg.model_name))
+    return state.context
+
+
+SupervisorDep = Annotated[Supervisor, Depends(get_supervisor)]
+EngineDep = Annotated[EngineClient, Depends(get_engine)]
+ContextDep = Annotated[object, Depends(get_context)]
+OwnerDep = Annotated[str, Depends(owner_of)]
+Authorized = Depends(owner_of)

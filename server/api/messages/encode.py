@@ -1,0 +1,242 @@
+"""Anthropic Messages responses from the shared turn (``pipeline.turn``): the JSON message, or its
+server-sent events as the engine's chunks arrive: ``message_start``;
+``content_block_start`` / ``content_block_delta`` / ``content_block_stop`` for compaction, thinking
+(``thinking_delta``), text (``text_delta``) and tool_use (``input_json_delta``) blocks;
+``message_delta`` with ``stop_reason``, ``usage`` and ``context_management``; ``message_stop``.
+A stream the engine broke off ends with ``event: error`` instead."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ...engine.client import encode_json
+from ...errors import anthropic_error_body
+from ...metrics import observe_usage
+from ...pipeline.context import Prepared
+from ...pipeline.engine_call import Refusal
+from ...pipeline.turn import Turn
+
+
+def message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+def stop_reason(finish: str | None, matched: Any, used_tool: bool) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of an OpenAI finish. vLLM names a matched stop string in the
+    choice's ``stop_reason``; a forced (named) tool call finishes with ``stop``."""
+    if finish == "length":
+        return "max_tokens", None
+    if finish == "tool_calls" or used_tool:
+        return "tool_use", None
+    if isinstance(matched, str):
+        return "stop_sequence", matched
+    return "end_turn", None
+
+
+def usage(openai: dict | None) -> dict[str, int]:
+    """Anthropic's usage: ``input_tokens`` excludes what the prefix cache supplied
+    (``cache_read_input_tokens``); their sum is the prompt."""
+    if not openai:
+        return {"input_tokens": 0, "output_tokens": 0}
+    cached = (openai.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {"input_tokens": max(0, openai.get("prompt_tokens", 0) - cached), "cache_read_input_tokens": cached,
+            "output_tokens": openai.get("completion_tokens", 0)}
+
+
+def compaction_block(summary: dict) -> dict:
+    return {"type": "compaction", "content": summary["content"]}
+
+
+def _tool_input(arguments: str | None) -> dict:
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def message(payload: dict, compaction: dict | None, extra: dict) -> dict:
+    """The JSON response for an engine chat completion."""
+    choice = payload["choices"][0]
+    msg = choice.get("message") or {}
+    content: list[dict] = [compaction_block(compaction)] if compaction else []
+    reasoning = msg.get("reasoning") or msg.get("reasoning_content")
+    if reasoning:
+        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if msg.get("content"):
+        content.append({"type": "text", "text": msg["content"]})
+    calls = msg.get("tool_calls") or []
+    content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                 "input": _tool_input(c["function"].get("arguments"))} for c in calls]
+    if len(content) == (1 if compaction else 0):
+        content.append({"type": "text", "text": ""})
+    reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), bool(calls))
+    return {"id": message_id(), "type": "message", "role": "assistant", "model": payload.get("model"),
+            "content": content, "stop_reason": reason, "stop_sequence": sequence,
+            "usage": usage(payload.get("usage")), **extra}
+
+
+def sse(event: str, data: dict) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + encode_json(data) + b"\n\n"
+
+
+def error_event(error: dict) -> bytes:
+    """``event: error`` for an OpenAI error body (the engine's, or agentkv's engine_unavailable)."""
+    err = error.get("error") if isinstance(error.get("error"), dict) else error
+    code = err.get("code")
+    status = code if isinstance(code, int) else 503 if code == "engine_unavailable" else 500
+    return sse("error", anthropic_error_body(status, str(err.get("message") or "the engine's stream failed")))
+
+
+class EventStream:
+    """The events of one streamed message. Blocks never interleave: a new kind of delta closes the
+    open block and starts the next."""
+
+    def __init__(self, model: str, input_tokens: int):
+        self.model, self.input_tokens = model, input_tokens
+        self.index = -1                 # index of the open (or last) block
+        self.open: str | None = None    # its kind: text | thinking | tool_use
+        self.tool: int | None = None    # the OpenAI tool-call index it streams
+        self.finish: str | None = None
+        self.matched: Any = None
+        self.used_tool = False
+        self.model_blocks = 0
+
+    def start(self) -> bytes:
+        return sse("message_start", {"type": "message_start", "message": {
+            "id": message_id(), "type": "message", "role": "assistant", "model": self.model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}})
+
+    def _begin(self, block: dict) -> list[bytes]:
+        out = self._close()
+        self.index += 1
+        self.open = block["type"]
+        return out + [sse("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                  "content_block": block})]
+
+    def _close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        out = []
+        if self.open == "thinking":
+            out.append(self._delta({"type": "signature_delta", "signature": ""}))
+        self.open, self.tool = None, None
+        return out + [sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def _delta(self, delta: dict) -> bytes:
+        return sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def compaction(self, summary: dict) -> list[bytes]:
+        out = self._begin({"type": "compaction", "content": None})
+        out.append(self._delta({"type": "compaction_delta", "content": summary["content"]}))
+        return out + self._close()
+
+    def chunk(self, chunk: dict) -> list[bytes]:
+        """The events for one engine chunk (``chat.completion.chunk`` with a choice)."""
+        choice = chunk["choices"][0]
+        delta = choice.get("delta") or {}
+        out: list[bytes] = []
+        reasoning = delta.get("reasoning") or delta.get("reasoning_content")
+        if reasoning:
+            if self.open != "thinking":
+                out += self._begin({"type": "thinking", "thinking": "", "signature": ""})
+                self.model_blocks += 1
+            out.append(self._delta({"type": "thinking_delta", "thinking": reasoning}))
+        if delta.get("content"):
+            if self.open != "text":
+                out += self._begin({"type": "text", "text": ""})
+                self.model_blocks += 1
+            out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+        for tc in delta.get("tool_calls") or []:
+            index, fn = tc.get("index", 0), tc.get("function") or {}
+            if tc.get("id") and (self.open != "tool_use" or self.tool != index):
+                out += self._begin({"type": "tool_use", "id": tc["id"], "name": fn.get("name") or "", "input": {}})
+                self.tool, self.used_tool = index, True
+                self.model_blocks += 1
+            if fn.get("arguments") and self.open == "tool_use":
+                out.append(self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]}))
+        if choice.get("finish_reason"):
+            self.finish, self.matched = choice["finish_reason"], choice.get("stop_reason")
+        return out
+
+    def finish_events(self, engine_usage: dict | None, extra: dict, reason: str | None = None) -> list[bytes]:
+        """Close the message: an empty text block when the model produced none (as the JSON
+        response has), then ``message_delta`` and ``message_stop``."""
+        out = self._close()
+        if not self.model_blocks and reason is None:
+            out += self._begin({"type": "text", "text": ""}) + self._close()
+        stop, sequence = (reason, None) if reason else stop_reason(self.finish, self.matched, self.used_tool)
+        out.append(sse("message_delta", {"type": "message_delta",
+                                         "delta": {"stop_reason": stop, "stop_sequence": sequence},
+                                         "usage": usage(engine_usage) if engine_usage else {"output_tokens": 0},
+                                         **extra}))
+        return out + [sse("message_stop", {"type": "message_stop"})]
+
+
+def compaction_of(prepared: Prepared) -> dict | None:
+    """The summary a ``compact_20260112`` edit wrote in this request (its block leads the answer)."""
+    edit = prepared.compact_edit
+    return prepared.compaction if edit is not None and edit.type == "compact_20260112" else None
+
+
+def refusal(r: Refusal, turn: Turn) -> JSONResponse:
+    """The engine's (OpenAI-shaped) refusal in Anthropic's shape: an HTTP error, never a 200
+    followed by an error."""
+    err = r.body.get("error") if isinstance(r.body, dict) else None
+    text = err.get("message") if isinstance(err, dict) else str(r.body)
+    return JSONResponse(anthropic_error_body(r.status, str(text)), status_code=r.status, headers=turn.headers())
+
+
+def paused(turn: Turn, model: str, compaction: dict, stream: bool) -> Response:
+    """``pause_after_compaction``: the compaction block alone, no generation."""
+    extra = turn.extra([])
+    if stream:
+        enc = EventStream(model, 0)
+        events = [enc.start(), *enc.compaction(compaction), *enc.finish_events(None, extra, reason="compaction")]
+        return StreamingResponse(iter(events), media_type="text/event-stream", headers=turn.headers())
+    return JSONResponse({"id": message_id(), "type": "message", "role": "assistant", "model": model,
+                         "content": [compaction_block(compaction)], "stop_reason": "compaction",
+                         "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}, **extra},
+                        headers=turn.headers())
+
+
+async def complete(turn: Turn, model: str, compaction: dict | None) -> Response:
+    out = await turn.complete()
+    if isinstance(out, Refusal):
+        return refusal(out, turn)
+    return JSONResponse(message(out.payload, compaction, turn.extra(out.server_tool_calls)), headers=turn.headers())
+
+
+async def stream(turn: Turn, model: str, compaction: dict | None) -> Response:
+    es = await turn.stream()
+    if isinstance(es, Refusal):
+        return refusal(es, turn)
+    enc = EventStream(model, turn.report["prompt_tokens_after"])
+
+    async def events() -> AsyncIterator[bytes]:
+        yield enc.start()
+        if compaction:
+            for event in enc.compaction(compaction):
+                yield event
+        async for chunk in es.chunks():
+            if "error" in chunk and not chunk.get("choices"):  # the engine reported an error in-stream
+                yield error_event(chunk)
+                return
+            out = enc.chunk(chunk)
+            if out:  # one write for the events of one engine chunk
+                yield b"".join(out)
+        if es.error is not None:
+            yield error_event(es.error)
+            return
+        observe_usage(es.usage)
+        for event in enc.finish_events(es.usage, turn.extra(es.server_tool_calls)):
+            yield event
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={**turn.headers(), "Cache-Control": "no-cache"})

@@ -1,0 +1,46 @@
+"""Anthropic Messages request bodies, validated at the edge. Unknown fields are accepted (vLLM's
+sampling extensions pass on), but for the engine fields only the server sets (``options.SERVER_ONLY``)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ....compaction.policy import ContextManagement
+from ...options import AgentKVFields
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["user", "assistant", "system"]
+    content: str | list[dict[str, Any]]
+
+
+class AnthropicTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(..., min_length=1, max_length=128)
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+
+
+class _Conversation(BaseModel):
+    """What /v1/messages and /v1/messages/count_tokens share. Unknown fields are accepted."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[AnthropicMessage] = Field(..., min_length=1, max_length=20_000)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    # agentkv's own (context_management is also Anthropic's):
+    context_management: ContextManagement | None = None
+
+
+class MessagesRequest(_Conversation, AgentKVFields):
+    model_config = ConfigDict(extra="allow")
+    max_tokens: int = Field(..., ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool = False

@@ -1,0 +1,73 @@
+"""Anthropic Messages API: POST /v1/messages and /v1/messages/count_tokens.
+
+/v1/messages runs the same turn as every API (``pipeline.turn``): the request becomes OpenAI
+messages once (``convert``), the session log and the policy work on those, the engine gets the
+managed view as a chat completion (server-executed recall/note included), and ``encode`` answers
+in Anthropic's JSON or events. ``anthropic-beta`` values and ``?beta=true`` are accepted whatever
+they are."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from ...options import require_utf8
+from ...pipeline.turn import TurnInput, prepare_turn, session_of
+from ..deps import ContextDep, EngineDep, OwnerDep
+from . import encode
+from .convert import chat_request, conversation, engine_message, tools_to_openai
+from .protocol import MessagesRequest, _Conversation
+
+router = APIRouter(prefix="/v1")
+
+
+@functools.lru_cache(maxsize=8)
+def takes_images(model_path: str | None) -> bool:
+    """Whether the served model reads images (its config has a vision tower)."""
+    if not model_path:
+        return False
+    try:
+        from transformers import AutoConfig
+
+        return getattr(AutoConfig.from_pretrained(model_path), "vision_config", None) is not None
+    except (OSError, ValueError):
+        return False
+
+
+def _conversation(request: Request, body: dict) -> tuple[list, list | None]:
+    model_path = request.app.state.supervisor.model_path
+    return conversation(body.get("system"), body["messages"], takes_images(model_path)), \
+        tools_to_openai(body.get("tools"))
+
+
+@router.post("/messages")
+async def messages(req: MessagesRequest, request: Request, engine: EngineDep, owner: OwnerDep,
+                   ctx: ContextDep) -> Response:
+    body = require_utf8(req.model_dump(exclude_unset=True))
+    conv, tools = _conversation(request, body)
+    model = req.model or request.app.state.cfg.model_name
+    turn = await prepare_turn(request.app.state, engine, ctx, owner, TurnInput(
+        conv, tools, chat_request(body, model), req, session_of(request.headers, req, body),
+        req.context_management, engine_message))
+    compaction = encode.compaction_of(turn.prepared)
+    if compaction and turn.prepared.compact_edit.pause_after_compaction:
+        return encode.paused(turn, model, compaction, req.stream)
+    return await (encode.stream if req.stream else encode.complete)(turn, model, compaction)
+
+
+@router.post("/messages/count_tokens")
+async def count_tokens(req: _Conversation, request: Request, _owner: OwnerDep, ctx: ContextDep) -> dict:
+    """The prompt's tokens as the engine would get them (chat template and tools included), the
+    request's clearing edits applied; nothing is logged. With ``context_management``, also
+    ``original_input_tokens`` (before the edits), as Anthropic answers."""
+    body = require_utf8(req.model_dump(exclude_unset=True))
+    conv, tools = _conversation(request, body)
+    after, before = await asyncio.to_thread(ctx.count, conv, tools, req.context_management, engine_message)
+    out: dict[str, Any] = {"input_tokens": after}
+    if req.context_management is not None:
+        out["context_management"] = {"original_input_tokens": before}
+    return out

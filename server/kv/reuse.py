@@ -1,0 +1,150 @@
+"""KV reuse after clearing, the front's part: say which edit happened; the connector does the rest.
+
+Every chat request of a session (in ``shift`` or ``blend`` mode) names the session to the engine's
+KV connector (``agentkv.kernels.connector.plugin``), which holds the blocks of the session's last prompt
+in vLLM's pool. When clearing edits the prompt, the front sends the edit: spans of the previous
+prompt and how many replacement (placeholder) tokens each got. The placeholders' K/V are computed
+by a short priming request first: the shared prefix plus all placeholders back to back, held by the
+connector beside the prompt. The connector, which sees vLLM's own token ids and blocks, decides
+what it can move and moves it; the rest is computed by vLLM. Its outcome comes back with a
+non-streamed response (``kv_transfer_params``) and is counted in the engine's metrics either way.
+``blend`` also recomputes a share of the moved tokens, chosen by a strategy (``kv_blend``), with
+passes run here before the request (see ``kv_blend``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import hmac
+import logging
+import secrets
+import time
+
+from ...kernels.connector.params import Outcome, Params, Primed
+from ..metrics import KV_EDITS, KV_FALLBACKS, KV_PRIMED
+from ..options import KVBlend, KVMode
+from . import blend as kv_blend
+
+_KEY = secrets.token_bytes(32)   # session tokens are unguessable by clients
+
+log = logging.getLogger("agentkv.kv_reuse")
+
+
+def session_token(session: str) -> str:
+    """What the connector knows a session by: a keyed digest of its storage key (owner/id)."""
+    return hmac.new(_KEY, session.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def _kv_reports(prepared) -> list[dict]:
+    return [e.setdefault("kv", {}) for e in prepared.report["applied_edits"] if e["type"].startswith("clear_tool_uses")]  # agentkv's name or Anthropic's
+
+
+async def attach(cfg, engine, body: dict, session: str, prepared, mode: KVMode | None,
+                 blend: KVBlend | None = None, model_path: str | None = None) -> None:
+    """Set the engine request's ``kv_transfer_params``; after clearing, run the priming request
+    (and blend's passes) first. ``mode`` / ``blend``: the request's, else the server's;
+    ``model_path``: the served model (the deviation probe loads its first layers). Records the edit
+    in the report."""
+    mode = mode or cfg.kv_reuse
+    if not cfg.kv_connector:
+        if mode != "recompute" and prepared.edits:
+            log.warning("kv_reuse %s asked (session %s), but this server runs without the KV connector "
+                        "(--kv-reuse recompute): recomputing", mode, prepared.session_id)
+            KV_FALLBACKS.labels("connector_disabled").inc()
+            for kv in _kv_reports(prepared):
+                kv.update(mode="recompute", requested=mode, fallback="connector_disabled")
+        return
+    if mode == "recompute":
+        return
+    params = Params(session_token(session))
+    if prepared.edits:
+        edits = sorted(prepared.edits, key=lambda e: e.start)
+        params = dataclasses.replace(params, spans=tuple((e.start, e.end, len(e.replacement_ids)) for e in edits))
+        reps = [t for e in edits for t in e.replacement_ids]
+        primed = None
+        if reps or mode == "blend":   # blend plans with what the priming response says
+            prime = {"model": body["model"], "prompt": prepared.old_ids[:edits[0].start] + reps, "max_tokens": 1,
+                     "kv_transfer_params": Params(params.session, prime=True).to_wire()}
+            if body.get("cache_salt"):  # the same salt: the prefix is a cache hit
+                prime["cache_salt"] = body["cache_salt"]
+            status, payload = await engine.post_json("/v1/completions", prime)
+            if status != 200:   # the connector then finds no priming prompt and says so
+                log.warning("session %s: priming request answered %s", prepared.session_id, status)
+            else:
+                primed = Primed.from_wire(payload.get("kv_transfer_params"))
+        KV_EDITS.labels(mode).inc()
+        KV_PRIMED.inc(len(reps))
+        done = {"mode": mode, "primed_tokens": len(reps)}
+        if mode == "blend":
+            limit, report = await _blend(cfg, engine, body, params, prepared, edits, reps, primed,
+                                         blend or KVBlend(), model_path)
+            params = dataclasses.replace(params, limit=limit)
+            done.update(report)
+        for kv in _kv_reports(prepared):
+            kv.update(done)
+    body["kv_transfer_params"] = params.to_wire()
+
+
+async def _blend(cfg, engine, body: dict, params: Params, prepared, edits, reps: list[int], primed: Primed | None,
+                 blend: KVBlend, model_path: str | None) -> tuple[int | None, dict]:
+    """Choose the ranges to recompute and run the passes that recompute those in the middle.
+    Returns the request's own ``limit`` and what it did, for the edit's ``kv`` report."""
+    strategy = blend.strategy or cfg.blend_strategy
+    fraction = cfg.blend_fraction if blend.fraction is None else blend.fraction
+    out: dict = {"strategy": strategy, "fraction": fraction}
+    if primed is None or not primed.block_size or not primed.held_tokens:   # nothing held: the connector says why
+        return None, out
+    bs, held_tokens = primed.block_size, primed.held_tokens
+    sp = kv_blend.splice(prepared.old_ids, edits)
+    deviation = None
+    if strategy == "deviation" and fraction > 0:
+        t0 = time.perf_counter()
+        try:
+            from .probe import probe_for
+
+            probe = await asyncio.to_thread(probe_for, model_path)
+            prime_ids = prepared.old_ids[:edits[0].start] + reps
+            deviation = await asyncio.to_thread(probe.deviation, prepared.old_ids, prime_ids, sp)
+        except Exception as exc:  # no probe for this model: the tail is recomputed instead
+            log.warning("session %s: deviation probe failed (%s): recomputing the tail", prepared.session_id, exc)
+            out["blend_error"] = f"probe: {exc.__class__.__name__}: {exc}"[:300]
+            strategy = "tail"
+        out["probe_s"] = round(time.perf_counter() - t0, 4)
+    pl = kv_blend.plan(strategy, fraction, sp, bs, held_tokens, deviation)
+    reused = computed = 0
+    for limit, end in pl.passes:
+        req = {"model": body["model"], "prompt": sp.ids[:end], "max_tokens": 1,
+               "kv_transfer_params": dataclasses.replace(params, limit=limit, keep=True).to_wire()}
+        if body.get("cache_salt"):
+            req["cache_salt"] = body["cache_salt"]
+        status, payload = await engine.post_json("/v1/completions", req)
+        if status != 200:
+            log.warning("session %s: blend pass answered %s", prepared.session_id, status)
+            continue
+        usage = payload.get("usage") or {}
+        computed += usage.get("prompt_tokens", 0) - ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        outcome = Outcome.from_wire(payload.get("kv_transfer_params"))
+        reused += outcome.reused_tokens if outcome else 0
+    return pl.limit, {**out, "block_size": bs, "movable_tokens": pl.movable_tokens,
+                      "recompute_tokens": pl.recompute_tokens, "passes": len(pl.passes),
+                      "pass_computed_tokens": computed, "pass_reused_tokens": reused}
+
+
+def take_outcome(kv_transfer_params: dict | None, report: dict | None) -> None:
+    """Put the connector's outcome (the engine response's ``kv_transfer_params``) into the edit's
+    ``kv`` report (``reused_tokens``, ``fallback``: why it recomputed instead, or null)."""
+    outcome = Outcome.from_wire(kv_transfer_params)
+    if outcome is None or report is None:
+        return
+    for edit in report.get("applied_edits", []):
+        if "kv" in edit and "fallback" not in edit["kv"]:
+            edit["kv"].update(reused_tokens=outcome.reused_tokens, fallback=outcome.fallback)
+
+
+def continued(kv_transfer_params: dict | None) -> dict | None:
+    """The params of a follow-up round (server tools) of an edited request: the edit was the first
+    round's; this prompt only continues that one (same session, nothing to load)."""
+    params = Params.from_wire(kv_transfer_params)
+    return Params(params.session).to_wire() if params else None

@@ -1,0 +1,99 @@
+"""The Responses API's ``compaction`` item: the messages a compacted conversation stands for (agentkv's
+summary message, then any part kept word for word), sealed so that only this server reads it back.
+
+``encrypted_content`` is ``akv1.<payload>.<tag>``: the payload is base64url(zlib(JSON {"owner",
+"messages"})), the tag base64url(HMAC-SHA256(key, "akv1." + payload)). It is authenticated, not
+encrypted: it holds the caller's own conversation, so secrecy buys nothing, while the tag makes an
+altered or forged item a 400 and binds the item to the API key it was made for. The key is 32 random
+bytes in ``$AGENTKV_HOME/compaction.key`` (mode 0600), made on first use, so items outlive restarts;
+replicas that share sessions must share that file.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import uuid
+import zlib
+from pathlib import Path
+
+from ...compaction.prompt import Message
+from ..config import agentkv_home
+from ..errors import APIError
+
+VERSION = "akv1"
+KEY_FILE = "compaction.key"
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def load_key(home: Path | None = None) -> bytes:
+    """The server's key, created (owner-only) on first use. Concurrent first uses agree: the file
+    is created exclusively and the loser reads the winner's key."""
+    path = (home or agentkv_home()) / KEY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        key = path.read_bytes()
+        if len(key) != 32:
+            raise RuntimeError(f"{path} must hold 32 bytes (delete it to make a new key)") from None
+        return key
+    key = secrets.token_bytes(32)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key)
+    return key
+
+
+class CompactionSeal:
+    """Makes and opens compaction items with one key."""
+
+    def __init__(self, key: bytes):
+        self.key = key
+
+    def _tag(self, payload: str) -> str:
+        return _b64(hmac.new(self.key, f"{VERSION}.{payload}".encode(), hashlib.sha256).digest())
+
+    def item(self, owner: str, messages: list[Message]) -> dict:
+        """A ``compaction`` output item standing for ``messages``."""
+        raw = json.dumps({"owner": owner, "messages": messages}, separators=(",", ":")).encode()
+        payload = _b64(zlib.compress(raw, 6))
+        return {"id": f"cmp_{uuid.uuid4().hex}", "type": "compaction",
+                "encrypted_content": f"{VERSION}.{payload}.{self._tag(payload)}"}
+
+    def open(self, owner: str, item: dict, where: str) -> list[Message]:
+        """The messages an item stands for; 400 naming ``where.encrypted_content`` when the item
+        was not made by this server for this caller, or was altered."""
+        param = f"{where}.encrypted_content"
+        content = item.get("encrypted_content")
+        parts = content.split(".") if isinstance(content, str) else []
+        if len(parts) != 3 or parts[0] != VERSION or not hmac.compare_digest(parts[2], self._tag(parts[1])):
+            raise APIError(400, "the compaction item was not made by this server or was altered",
+                           param=param, code="invalid_encrypted_content")
+        try:
+            data = json.loads(zlib.decompress(_unb64(parts[1])))
+        except (ValueError, zlib.error, binascii.Error):  # a valid tag on a bad payload: a key leak or a bug
+            raise APIError(400, "the compaction item cannot be read", param=param,
+                           code="invalid_encrypted_content") from None
+        if data.get("owner") != owner:
+            raise APIError(400, "the compaction item was made for another API key", param=param,
+                           code="invalid_encrypted_content")
+        return data["messages"]
+
+
+def seal_of(state) -> CompactionSeal:
+    """The app's seal (``state``: the app's state), its key loaded on first use."""
+    if getattr(state, "compaction_seal", None) is None:
+        state.compaction_seal = CompactionSeal(load_key())
+    return state.compaction_seal

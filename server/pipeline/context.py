@@ -1,0 +1,224 @@
+"""Applies a context policy to a session's conversation: the request path's compaction step.
+
+Order per request: sync the conversation into the session log (before any edit, as the client
+sent it), rebuild the view from the edits in force, drop what a client-sent compaction block
+replaces, put every message in the form the engine takes (``engine_form``, given by the API's
+format module), run the policy's edits on that view, persist what fired, report it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...compaction.clearing import clear_tool_uses
+from ...compaction.config import ClearThinking, ClearToolUses, Compact
+from ...compaction.policy import ContextManagement, default_policy, with_defaults
+from ...compaction.prompt import Message, PromptRenderer
+from ...compaction.summarize import ModelClient, summarize
+from ...compaction.thinking import clear_thinking
+from .. import timing
+from .sessions import SessionRef, Sessions, ViewState
+
+log = logging.getLogger("agentkv.context")
+EngineForm = Callable[[Message], Message]
+
+
+@dataclass
+class Prepared:
+    key: str                # the session's storage key (owner/id)
+    session_id: str         # its public id (X-Session-Id)
+    messages: list[Message]
+    report: dict[str, Any]
+    edits: list  # PromptEdit of clearing in this request, against the pre-clearing view prompt
+    old_ids: list[int]      # the pre-clearing view prompt (when clearing edited it)
+    compaction: Message | None = None  # the summary a compact edit wrote in this request
+    compact_edit: Compact | None = None  # ... and that edit
+    prompt_ids: list[int] = field(default_factory=list)  # the final view prompt (want_ids: bench front)
+
+
+@dataclass
+class _Run:
+    """What one pass of the policy's edits did to a view."""
+
+    view: list[Message]
+    where: list[int]
+    applied: list[dict] = field(default_factory=list)
+    failed: list[dict] = field(default_factory=list)
+    kv_edits: list = field(default_factory=list)
+    old_ids: list[int] = field(default_factory=list)
+    summary: Message | None = None
+    compact_edit: Compact | None = None
+
+
+def is_compaction(message: Message) -> bool:
+    """A message holding a compaction block with a summary (``content`` null: a failed one, a no-op)."""
+    content = message.get("content")
+    return isinstance(content, list) and any(
+        isinstance(p, dict) and p.get("type") == "compaction" and p.get("content") for p in content)
+
+
+def after_compaction(view: list[Message], where: list[int]) -> tuple[list[Message], list[int]]:
+    """Anthropic's rule for a compaction block the client sends back: everything before the latest
+    one is dropped; the leading system messages stay."""
+    last = max((i for i, m in enumerate(view) if is_compaction(m)), default=None)
+    lead = 0
+    while lead < len(view) and view[lead].get("role") in ("system", "developer"):
+        lead += 1
+    if last is None or last <= lead:
+        return view, where
+    return view[:lead] + view[last:], where[:lead] + where[last:]
+
+
+class SummaryNeeded(Exception):
+    """A compact edit would fire: the step calls the model and belongs off the event loop."""
+
+
+class ContextManager:
+    def __init__(self, sessions: Sessions, renderer: PromptRenderer, summarizer: ModelClient):
+        self.sessions, self.renderer, self.summarizer = sessions, renderer, summarizer
+
+    def _view(self, state: ViewState, messages: list[Message], engine_form: EngineForm | None):
+        view, where = after_compaction(*state.view(messages))
+        if engine_form is not None:
+            view = [engine_form(m) for m in view]
+        return view, where
+
+    def _edit(self, run: _Run, state: ViewState, tools: list | None, policy: ContextManagement | None,
+              history: list[Message], notes_key: str | None, window: int | None, may_summarize: bool = True) -> _Run:
+        """Run the policy's edits on ``run.view``, recording what replaces which conversation
+        message in ``state``. Compact edits run only with ``notes_key`` (a session to write to)."""
+        tokens_moved = False  # an edit changed tokens before clearing's: its KV edits no longer apply
+        for edit in policy.edits if policy else []:
+            view, where = run.view, run.where
+            if isinstance(edit, ClearThinking):
+                r = clear_thinking(view, self.renderer, edit, tools)
+                if not r.cleared_turns:
+                    continue
+                for i, (a, b) in enumerate(zip(view, r.messages)):
+                    if a is not b:
+                        state.replaced[where[i]] = b
+                run.view = r.messages
+                tokens_moved = r.cleared_tokens > 0
+                run.applied.append({"type": edit.type, "cleared_thinking_turns": r.cleared_turns,
+                                    "cleared_input_tokens": r.cleared_tokens})
+            elif isinstance(edit, ClearToolUses):
+                r = clear_tool_uses(view, self.renderer, edit, tools)
+                if not r.edits:
+                    continue
+                for i in {e.message_index for e in r.edits}:
+                    state.replaced[where[i]] = r.messages[i]
+                run.kv_edits, run.old_ids = ([], []) if tokens_moved else (r.edits, r.old_ids)
+                run.view = r.messages
+                run.applied.append({"type": edit.type, "cleared_tool_uses": r.cleared_tool_uses,
+                                    "cleared_input_tokens": r.cleared_tokens,
+                                    "edits": [e.as_dict() for e in r.edits]})
+            elif notes_key is not None:
+                if self.renderer.count(view, tools) < edit.trigger:  # no summary: the log's notes not read
+                    continue
+                if not may_summarize:
+                    raise SummaryNeeded
+                notes = [f"{kind}: {text}" for kind, text in self.sessions.log.notes(notes_key)]
+                try:
+                    r = summarize(view, self.renderer, edit, self.summarizer, tools, notes, history=history,
+                                  window=window)
+                except Exception as exc:  # the summarizer's call failed: serve the request uncompacted
+                    log.warning("session %s: summary failed: %s", notes_key, exc)
+                    run.failed.append({"type": edit.type, "error": f"{exc.__class__.__name__}: {exc}"[:500]})
+                    continue
+                if not r.summarized_messages:
+                    continue
+                head = next(i for i, m in enumerate(r.messages) if m is not view[i])
+                cut = len(view) - (len(r.messages) - head - 1)
+                state.summary, state.summary_start = r.messages[head], where[head]
+                state.summary_end = where[cut] if cut < len(where) else len(history)
+                run.where = where[:head + 1] + where[cut:]
+                run.view = r.messages
+                run.kv_edits, run.old_ids = [], []  # a summary rewrites the prompt from `head` on
+                run.summary, run.compact_edit = r.messages[head], edit
+                run.applied.append({"type": edit.type, "summarized_messages": r.summarized_messages,
+                                    "summary_tokens": r.summary_tokens,
+                                    "cleared_input_tokens": r.tokens_before - r.tokens_after})
+        return run
+
+    def prepare(self, owner: str, ref: SessionRef, messages: list[Message], tools: list | None,
+                policy: ContextManagement | None, window: int | None = None,
+                engine_form: EngineForm | None = None, want_ids: bool = False, may_summarize: bool = True) -> Prepared:
+        """The request's view, its edits applied and persisted. ``may_summarize=False``: raise
+        ``SummaryNeeded`` where a compact edit would call the model, before anything but the sync
+        (which a second call finds done) is persisted."""
+        synced = self.sessions.sync(owner, ref, messages, self.renderer.known.keys(messages))
+        key, session_id, state = synced.key, synced.id, synced.state
+        history = [engine_form(m) for m in messages] if engine_form else messages
+        before = self.renderer.count(history, tools)
+        run = self._edit(_Run(*self._view(state, messages, engine_form)), state, tools, policy, history, key,
+                         window, may_summarize)
+        if run.applied:  # an edit fired and changed the view state (sync saved it unchanged)
+            self.sessions.save(key, state)
+        view = run.view
+        after = self.renderer.count(view, tools) if view != history else before
+        report = {"session_id": session_id, "applied_edits": run.applied,
+                  "prompt_tokens_before": before, "prompt_tokens_after": after}
+        if run.failed:
+            report["failed_edits"] = run.failed
+        ids = self.renderer.render(view, tools).token_ids if want_ids else []
+        return Prepared(key, session_id, view, report, run.kv_edits, run.old_ids, run.summary, run.compact_edit, ids)
+
+    def count(self, messages: list[Message], tools: list | None, policy: ContextManagement | None,
+              engine_form: EngineForm | None = None) -> tuple[int, int]:
+        """(prompt tokens as the engine would get them, before any edit) for a conversation outside
+        any session: the request's clearing edits apply, a summary is not written (that takes a
+        generation), nothing is logged."""
+        state = ViewState()
+        history = [engine_form(m) for m in messages] if engine_form else messages
+        run = self._edit(_Run(*self._view(state, messages, engine_form)), state, tools, policy, history, None,
+                         None)
+        return self.renderer.count(run.view, tools), self.renderer.count(history, tools)
+
+
+# a conversation this small (characters of text) costs its context step a millisecond or two: on the
+# event loop, where a thread's hand-offs (the GIL, the log's lock) cost tens to hundreds of
+# milliseconds under a burst of streams (front time before the engine at 64 streams: p50 1.3-1.4 ms
+# against 53-515 ms). Larger ones, summaries and a remote log keep the thread.
+INLINE_CHARS = 64_000
+
+
+def text_size(messages: list[Message], limit: int) -> int:
+    """Characters of the messages' text and tool-call arguments, counted up to just past ``limit``."""
+    n = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(str(p.get("text") or p.get("content") or "")) if isinstance(p, dict) else 0 for p in content)
+        for c in m.get("tool_calls") or []:
+            n += len(str((c.get("function") or {}).get("arguments") or ""))
+        if n > limit:
+            break
+    return n
+
+
+async def manage(ctx: ContextManager, cfg, window: int, owner: str, ref: SessionRef,
+                 conversation: list[Message], tools: list | None, requested: ContextManagement | None,
+                 engine_form: EngineForm | None = None) -> Prepared:
+    """The request path's compaction step for any API: the session, the policy (the request's edits
+    with the server default's for the kinds it does not name, see ``with_defaults``), then
+    ``prepare``: small conversations on the event loop (see ``INLINE_CHARS``), the rest off it."""
+    default = default_policy(window, cfg.clear_at, cfg.compact_at) if cfg.context_management else None
+    policy = with_defaults(requested, default)
+    args = (owner, ref, conversation, tools, policy, window or None, engine_form)
+    timing.mark("context_start")
+    prepared = None
+    if ctx.sessions.log.LOCAL and text_size(conversation, INLINE_CHARS) <= INLINE_CHARS:
+        try:
+            prepared = ctx.prepare(*args, may_summarize=False)
+        except SummaryNeeded:
+            pass
+    if prepared is None:
+        prepared = await asyncio.to_thread(ctx.prepare, *args)
+    timing.mark("context_end")
+    return prepared

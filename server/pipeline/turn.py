@@ -1,0 +1,109 @@
+"""The turn every API runs, written once: each route converts its request to chat terms
+(``TurnInput``), calls ``prepare_turn`` once, and encodes what ``Turn.complete`` or ``Turn.stream``
+gives back in its own shape.
+
+In request order: the server-executed tools join the client's (before the context step, so
+triggers and token counts see what the engine gets); the session is found and the conversation
+logged before any edit, and the context policy runs (``context.manage``); then, at the first
+engine call, KV reuse tells the connector which edit happened (``kv.reuse.attach``), and the
+engine answers with server-tool rounds resolved (``engine_call``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ...compaction.policy import ContextManagement
+from ...compaction.prompt import Message
+from ..config import ServeConfig
+from ..engine.client import EngineClient
+from ..kv import reuse as kv_reuse
+from ..options import AgentKVFields
+from . import server_tools
+from .context import EngineForm, Prepared, manage
+from .engine_call import Completion, EngineStream, Refusal, completion, open_stream
+from .server_tools import ToolRunner
+from .sessions import SessionRef, session_ref
+
+
+@dataclass
+class TurnInput:
+    """A request in chat terms, as an API hands it to the pipeline."""
+
+    conversation: list[Message]        # as the session log keeps it
+    tools: list[dict] | None           # the client's tools, chat form
+    body: dict[str, Any]               # the engine's chat request, less messages and tools
+    fields: AgentKVFields              # agentkv's own fields of the request
+    session: SessionRef                # the session it names (``sessions.session_ref``)
+    policy: ContextManagement | None   # the request's edits (the server default joins in ``manage``)
+    engine_form: EngineForm | None = None   # a logged message as the engine takes it (Anthropic's blocks)
+
+
+@dataclass
+class Turn:
+    """A prepared turn: the managed view and its report, and the engine request ready to send."""
+
+    prepared: Prepared
+    body: dict[str, Any]
+    runner: ToolRunner | None
+    engine: EngineClient
+    _kv: tuple | None   # (cfg, fields, model_path) until KV reuse has been attached
+
+    @property
+    def session_id(self) -> str:
+        return self.prepared.session_id
+
+    @property
+    def report(self) -> dict:
+        return self.prepared.report
+
+    def headers(self) -> dict[str, str]:
+        return {"X-Session-Id": self.prepared.session_id}
+
+    def extra(self, server_tool_calls: list[dict]) -> dict[str, Any]:
+        """agentkv's additions to a response: the context-management report and server tool calls."""
+        out: dict[str, Any] = {"context_management": self.prepared.report}
+        if server_tool_calls:
+            out["server_tool_calls"] = server_tool_calls
+        return out
+
+    async def _attach(self) -> None:
+        """KV reuse runs at the first engine call only (a turn answered without the engine, such
+        as a paused compaction, primes nothing)."""
+        if self._kv is None:
+            return
+        cfg, fields, model_path = self._kv
+        self._kv = None
+        await kv_reuse.attach(cfg, self.engine, self.body, self.prepared.key, self.prepared, fields.kv_reuse,
+                              fields.kv_blend, model_path)
+
+    async def complete(self) -> Completion | Refusal:
+        await self._attach()
+        return await completion(self.engine, self.body, self.runner, self.prepared.report)
+
+    async def stream(self) -> EngineStream | Refusal:
+        await self._attach()
+        return await open_stream(self.engine, self.body, self.runner)
+
+
+def session_of(headers: Mapping[str, str], fields: AgentKVFields, body: Mapping[str, Any]) -> SessionRef:
+    """The session a request names by the documented precedence (``sessions.SOURCES``)."""
+    return session_ref(headers, {**body, "session_id": fields.session_id})
+
+
+async def prepare_turn(state, engine: EngineClient, ctx, owner: str, turn: TurnInput) -> Turn:
+    """Everything before the engine call, the same for every API. ``state``: the app's state
+    (config, supervisor); ``ctx``: the context manager; ``owner``: the caller's key digest."""
+    cfg: ServeConfig = state.cfg
+    sup = state.supervisor
+    on = turn.fields.server_tools if turn.fields.server_tools is not None else cfg.server_tools
+    tools = server_tools.with_server_tools(turn.tools) if on else turn.tools   # reserved names: 400 before logging
+    prepared = await manage(ctx, cfg, sup.max_model_len, owner, turn.session, turn.conversation, tools,
+                            turn.policy, engine_form=turn.engine_form)
+    body = {**turn.body, "messages": prepared.messages}
+    if tools:
+        body["tools"] = tools
+    runner = ToolRunner(ctx.sessions.log, prepared.key, cfg.max_server_tool_rounds) if on else None
+    return Turn(prepared, body, runner, engine, (cfg, turn.fields, sup.model_path))
