@@ -45,7 +45,7 @@ def machine() -> dict:
 
 def machine_line(m: dict) -> str:
     where = m["gpu"] or f"{m['cpu']}, {m['cores']} cores, no GPU"
-    return f"{where} | torch {m['torch']} | vllm {m['vllm']} | triton {m['triton']}"
+    return f"{where} | torch {m['torch']} | {'vllm ' + m['vllm'] if m['vllm'] else 'no vLLM'} | triton {m['triton']}"
 
 
 def pyplot():

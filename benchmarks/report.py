@@ -1,8 +1,9 @@
-"""README's result sections, rendered from the JSON files under ``benchmarks/results/``: every row,
-as measured, with the machine and date, so README and the files cannot disagree (a test checks).
+"""The result sections, rendered from the JSON files under ``benchmarks/results/``: every row, as
+measured, with the machine and date, so the READMEs and the files cannot disagree (a test checks).
 
 ``agentkv bench report`` rewrites each block between ``<!-- results: NAME -->`` and
-``<!-- /results: NAME -->`` in README.md from ``NAME.json``.
+``<!-- /results: NAME -->`` in ``benchmarks/README.md`` from ``NAME.json``, and the headline block
+(``<!-- headlines -->``) of the top README from a few of them.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from pathlib import Path
 from .front import extra_ms, ratio
 from .harness import RESULTS, machine_line
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parent / "README.md"           # every result table
+TOP_README = Path(__file__).resolve().parents[1] / "README.md"   # the headline numbers
 BLOCK = re.compile(r"(<!-- results: ([\w.-]+) -->\n)(.*?)(<!-- /results: \2 -->)", re.S)
+HEADLINES = re.compile(r"(<!-- headlines -->\n)(.*?)(<!-- /headlines -->)", re.S)
 
 
 def _fmt(v) -> str:
@@ -177,6 +180,27 @@ def _front(r: dict) -> str:
     return out
 
 
+def _gpu_check(r: dict) -> str:
+    cases = table(["case", "dtype", "blocks", "max error vs torch", "max error vs loop", "atol / rtol",
+                   "slots written", "pass"],
+                  [[x["name"], x["dtype"], f"{x['src_block']} -> {x['dst_block']}", x["max_abs_err_vs_torch"],
+                    x["max_abs_err_vs_loop"], f"{x['atol']} / {x['rtol']}",
+                    f"{x['slots_written']}/{x['slots_expected']}", x["passed"]] for x in r["correctness"]])
+    bw = table(["retained tokens", "layers", "backend", "kernel ms", "kernel GB/s", "torch copy GB/s", "ratio"],
+               [[x["tokens"], x["layers"], x["kernel_backend"], x["kernel_ms"], x["kernel_gb_per_s"],
+                 x["copy_gb_per_s"], x["ratio"]] for x in r["bandwidth"]])
+    return (f"Correctness (Triton against the torch path and the per-token loop, whole caches):\n\n{cases}\n\n"
+            f"`apply_plan` over Llama-3-8B KV (bf16, block 16), read + written, against a torch copy of the same "
+            f"bytes (goal: ratio >= {r['goal']['target_ratio']}; met: {_fmt(r['goal']['met'])}):\n\n{bw}")
+
+
+def _gpu_prefill(r: dict) -> str:
+    return (f"{r['model']}, median of {len(r['rows'][0]['all_s'])} runs:\n\n" +
+            table(["tokens", "prefill s", "all runs s", "KV GiB", "K/V read + write at 4.3 TB/s, ms"],
+                  [[x["tokens"], x["prefill_s"], ", ".join(f"{t:.3g}" for t in x["all_s"]), x["kv_gib"],
+                    x["move_floor_ms_at_4.3TBps"]] for x in r["rows"]]))
+
+
 def _rows(r: dict) -> str:
     """Any benchmark with a list of flat ``rows``: every column of every row."""
     rows = r["rows"]
@@ -188,7 +212,50 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "kernel": _kernel, "kv-memory": _kv_memory, "decode-throughput": _decode, "delayed-recall": _delayed_recall,
     "probe": _probe, "clear-vs-recompute": _clear_vs_recompute, "load": _load, "load-shift": _load,
     "load-blend": _load, "connector-cost": _connector_cost, "front": _front, "fidelity": _fidelity,
+    "gpu_check": _gpu_check, "gpu-prefill": _gpu_prefill,
 }
+
+
+def _load_result(results: Path, name: str) -> dict:
+    return json.loads((results / f"{name}.json").read_text())
+
+
+def _where(r: dict, name: str) -> str:
+    return f"[`{name}`](benchmarks/README.md#{name}), {r['measured_at'][:10]}, {machine_line(r['machine']).replace(' | ', ', ')}"
+
+
+def headlines(results: Path = RESULTS) -> str:
+    """The top README's few numbers, each with its file, date and machine."""
+    gpu, pre = _load_result(results, "gpu_check"), _load_result(results, "gpu-prefill")
+    move = {x["tokens"]: x for x in gpu["bandwidth"]}
+    fill = {x["tokens"]: x for x in pre["rows"]}
+    rows = []
+    for n in sorted(set(move) & set(fill)):
+        m, f = move[n], fill[n]
+        rows.append([f"{n:,} tokens of Llama-3-8B KV: clearing moves them (Triton)",
+                     f"{m['kernel_ms']:.2f} ms ({m['kernel_gb_per_s']:,.0f} GB/s)",
+                     f"recompute (prefill): {f['prefill_s']:.2f} s, {f['prefill_s'] * 1e3 / m['kernel_ms']:,.0f}x the move",
+                     _where(gpu, "gpu_check") + "; " + f"[`gpu-prefill`](benchmarks/README.md#gpu-prefill)"])
+    cases = gpu["correctness"]
+    rows.append(["Triton kernel correctness on the GPU", f"{sum(c['passed'] for c in cases)}/{len(cases)} cases pass",
+                 "against the torch path and a per-token loop, whole caches", _where(gpu, "gpu_check")])
+    kv = _load_result(results, "kv-memory")
+    rows.append([f"KV per token, `{kv['model']}` (vLLM's allocation)", f"{kv['measured']['bytes_per_token']:,.0f} B",
+                 f"formula: {kv['served_model']['formula_bytes_per_token']:,} B", _where(kv, "kv-memory")])
+    cvr = _load_result(results, "clear-vs-recompute")
+    rows.append(["TTFT after a clear, shift vs recompute (CPU, largest conversation)",
+                 f"{cvr['speedup_shift_vs_recompute_at_largest']:.1f}x lower", f"`{cvr['model']}`",
+                 _where(cvr, "clear-vs-recompute")])
+    front = _load_result(results, "front")
+    render = max(front.get("engine_render") or [{}], key=lambda x: x.get("tokens", 0))
+    ours = [x for x in front["prompt"] if x["mode"] == "segments" and x["tokens"] == render.get("tokens")]
+    if render and ours:
+        rows.append([f"prompt work per request at {render['tokens']:,} tokens",
+                     f"agentkv's front {min(x['per_request_ms'] for x in ours):.1f} ms",
+                     f"vLLM's API server (render + tokenize) {render['per_request_ms']:.0f} ms",
+                     _where(front, "front")])
+    return table(["what", "measured", "against", "file, date, machine"], rows)
+
 
 
 def render(name: str, result: dict) -> str:
@@ -201,26 +268,30 @@ def render(name: str, result: dict) -> str:
 
 
 def rewrite(readme: str, results: Path = RESULTS) -> str:
-    """README with every results block re-rendered from its JSON file."""
+    """A README with every results block re-rendered from its JSON file, and the headline block."""
     def block(m: re.Match) -> str:
         name = m.group(2)
-        data = json.loads((results / f"{name}.json").read_text())
-        return m.group(1) + render(name, data) + m.group(4)
+        return m.group(1) + render(name, _load_result(results, name)) + m.group(4)
 
-    return BLOCK.sub(block, readme)
+    readme = BLOCK.sub(block, readme)
+    return HEADLINES.sub(lambda m: m.group(1) + headlines(results) + "\n" + m.group(3), readme)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="agentkv bench report", description=__doc__)
-    ap.add_argument("--readme", type=Path, default=README)
-    ap.add_argument("--check", action="store_true", help="exit 1 if README differs from the results files")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a README differs from the results files")
     args = ap.parse_args(argv)
-    old = args.readme.read_text()
-    new = rewrite(old)
+    differ = []
+    for path in (README, TOP_README):
+        old = path.read_text()
+        new = rewrite(old)
+        if new != old:
+            differ.append(path)
+            if not args.check:
+                path.write_text(new)
+        print(f"{path}: {len(BLOCK.findall(new))} results blocks, {len(HEADLINES.findall(new))} headline blocks")
     if args.check:
-        raise SystemExit(0 if new == old else 1)
-    args.readme.write_text(new)
-    print(f"{args.readme}: {len(BLOCK.findall(new))} results blocks rendered")
+        raise SystemExit(1 if differ else 0)
 
 
 if __name__ == "__main__":

@@ -110,6 +110,7 @@ def cmd_model_list(ns: argparse.Namespace) -> int:
 BENCHMARKS = {
     "kernel": "agentkv.benchmarks.kernel_bench",
     "gpu-check": "agentkv.benchmarks.gpu_check",
+    "gpu-prefill": "agentkv.benchmarks.gpu_prefill",
     "kv-memory": "agentkv.benchmarks.kv_memory",
     "decode-throughput": "agentkv.benchmarks.decode_throughput",
     "delayed-recall": "agentkv.benchmarks.delayed_recall",

@@ -22,7 +22,8 @@ BLOCKED = ("vllm", "transformers", "pydantic", "fastapi")
 
 
 def readme_device_command() -> str:
-    lines = [ln.strip() for ln in (REPO / "README.md").read_text().splitlines()]
+    """The bare-GPU command line, as benchmarks/README.md gives it."""
+    lines = [ln.strip() for ln in (REPO / "benchmarks" / "README.md").read_text().splitlines()]
     return next(ln for ln in lines if ln.startswith("mkdir -p /tmp/agentkv-shim"))
 
 
