@@ -6,7 +6,6 @@ worker side holds no K/V tensors of its own — only views of the tensors vLLM r
 from __future__ import annotations
 
 import gc
-import json
 
 import pytest
 import torch
@@ -15,17 +14,8 @@ from agentkv.compaction.clearing import clear_tool_uses
 from agentkv.compaction.config import ClearToolUses
 from agentkv.compaction.prompt import PromptRenderer
 from agentkv.server.embedded_model import TinyModelSpec, build_model
-from agentkv.kernels.connector.params import transfer_config
-
-STEP_TOKENS = 256
-
-
-def turn(i: int) -> list[dict]:
-    out = "\n".join(f"check {i}.{j}: latency {(i * 31 + j * 7) % 400} ms" for j in range(40))
-    return [{"role": "assistant", "content": None, "tool_calls": [
-                {"id": f"c{i}", "type": "function", "function": {"name": "bash", "arguments": json.dumps({"n": i})}}]},
-            {"role": "tool", "tool_call_id": f"c{i}", "content": out}]
-
+from agentkv.kernels.connector.params import prompt_hash, transfer_config
+from inprocess_engine import STEP_TOKENS, generate, turn
 
 def worker_tensors(worker) -> dict:
     """Tensors reachable from the worker's connector, and the shapes of those that are not views of
@@ -72,15 +62,6 @@ def llm(tmp_path_factory):
     mp.undo()
 
 
-def generate(llm, ids: list[int], params: dict | None, salt: str):
-    from vllm import SamplingParams
-
-    sp = SamplingParams(max_tokens=1, temperature=0, logprobs=5,
-                        extra_args={"kv_transfer_params": {"agentkv": params}} if params else None)
-    out = llm.generate({"prompt_token_ids": ids, "cache_salt": salt}, sp, use_tqdm=False)[0]
-    return {k: v.logprob for k, v in out.outputs[0].logprobs[0].items()}, out.num_cached_tokens, out.kv_transfer_params
-
-
 def test_a_session_of_clears_moves_held_blocks_and_keeps_no_kv_of_its_own(llm):
     engine, renderer = llm
     scheduler = engine.llm_engine.engine_core.engine_core.scheduler
@@ -89,7 +70,8 @@ def test_a_session_of_clears_moves_held_blocks_and_keeps_no_kv_of_its_own(llm):
     msgs = [{"role": "system", "content": "agent"}, {"role": "user", "content": "run the checks"}]
     msgs += turn(0) + turn(1)
     session = {"session": "s1"}
-    generate(engine, renderer.render(msgs).token_ids, session, "a")
+    held_ids = renderer.render(msgs).token_ids
+    generate(engine, held_ids, session, "a")
     for i in range(2, 5):                                    # three clears, one per turn
         msgs = msgs + turn(i)
         r = clear_tool_uses(msgs, renderer, ClearToolUses(trigger=0, keep=2))
@@ -99,7 +81,13 @@ def test_a_session_of_clears_moves_held_blocks_and_keeps_no_kv_of_its_own(llm):
         prime = r.old_ids[:r.edits[0].start] + [t for e in r.edits for t in e.replacement_ids]
         generate(engine, prime, {**session, "prime": True}, "a")
         assert held.get("s1", "prime") is not None and held.get("s1", "prompt") is not None
-        got, cached, report = generate(engine, r.new_ids, {**session, "spans": spans, "mode": "shift"}, "a")
+        identity = [len(held_ids), prompt_hash(held_ids)]  # the prompt the spans are on, as the front names it
+        wrong = [len(held_ids), prompt_hash(held_ids[:-1] + [held_ids[-1] + 1])]
+        # named with another prompt's identity (as a pass: it leaves the session's entries held)
+        _, _, refused = generate(engine, r.new_ids, {**session, "spans": spans, "held": wrong, "pass": True}, "w")
+        assert refused["agentkv"] == {"reused_tokens": 0, "fallback": "held_mismatch"}, refused
+        got, cached, report = generate(engine, r.new_ids, {**session, "spans": spans, "held": identity}, "a")
+        held_ids = r.new_ids
         want, ref_cached, _ = generate(engine, r.new_ids, None, f"ref{i}")
         assert report["agentkv"]["fallback"] is None and report["agentkv"]["reused_tokens"] >= bs, report
         assert cached >= ref_cached + report["agentkv"]["reused_tokens"]
@@ -117,3 +105,4 @@ def test_a_session_of_clears_moves_held_blocks_and_keeps_no_kv_of_its_own(llm):
     assert held.held_blocks == 0
     pool = scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1          # every block back (but the null block)
+

@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .params import prompt_hash
+
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -42,10 +44,18 @@ class HeldEntry:
     held_at: float
     pinned: bool = True            # we hold a reference on every block
     valid: bool = True             # no block was handed out since
+    _digest: str | None = None
 
     @property
     def block_ids(self) -> list[int]:
         return [b.block_id for b in self.blocks]
+
+    @property
+    def identity(self) -> tuple[int, str]:
+        """(tokens, ``params.prompt_hash``): what the front names the prompt an edit is on by."""
+        if self._digest is None:
+            self._digest = prompt_hash(self.token_ids)
+        return len(self.token_ids), self._digest
 
 
 @dataclass

@@ -14,6 +14,8 @@ imports vLLM's connector classes or torch through it).
   - ``spans``: ``[[start, end, replacement], ...]``: the edit between the session's held prompt and
     this one (positions of the held prompt); the connector claims what it can supply after vLLM's
     own prefix hit, up to ``limit`` (a position of this prompt) when given;
+  - ``held``: ``[tokens, digest]``: which prompt the edit was computed against (its length and
+    ``prompt_hash``); a held prompt that is not that one is never read (``held_mismatch``);
   - ``pass``: one of the front's blend passes: hold nothing, give nothing back.
 
 - **connector -> front**, in a finished request's ``kv_transfer_params["agentkv"]``: an
@@ -25,6 +27,9 @@ treats the request as carrying none (a bad hint never fails a request).
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +47,16 @@ FALLBACKS = {
     "load_failed": "the worker could not move the tokens; vLLM recomputed them",
     "unsupported": "this model or KV cache cannot be shifted (see the engine log)",
     "no_budget": "the held-block budget is zero",
+    "held_mismatch": "the held prompt is not the one the edit was computed against (another branch, a lost turn)",
+    "geometry": "a worker's KV tensors are not laid out as the scheduler's block ids address them (see the engine log)",
 }
+
+
+def prompt_hash(token_ids: Sequence[int]) -> str:
+    """The identity of a prompt's token ids: both sides hash the same 64-bit little-endian ids (a
+    numpy int64 array's own bytes, or the same built here)."""
+    raw = token_ids.tobytes() if hasattr(token_ids, "tobytes") else array("q", token_ids).tobytes()
+    return hashlib.sha256(raw).hexdigest()[:32]
 
 
 def transfer_config(hold_fraction: float, hold_ttl_s: float) -> dict:
@@ -67,6 +81,7 @@ class Params:
     spans: tuple[tuple[int, int, int], ...] = ()   # (start, end, replacement tokens) of the held prompt
     limit: int | None = None                        # supply nothing at or after this position
     keep: bool = False                              # a blend pass (``pass`` on the wire)
+    held: tuple[int, str] | None = None             # (tokens, prompt_hash) of the prompt the spans are on
 
     def to_wire(self) -> dict:
         raw: dict[str, Any] = {"session": self.session}
@@ -78,6 +93,8 @@ class Params:
             raw["limit"] = self.limit
         if self.keep:
             raw["pass"] = True
+        if self.held is not None:
+            raw["held"] = list(self.held)
         return {NAMESPACE: raw}
 
     @classmethod
@@ -89,9 +106,10 @@ class Params:
             return None
         try:
             spans = tuple((int(s), int(e), int(n)) for s, e, n in raw.get("spans") or ())
-            limit = raw.get("limit")
+            limit, held = raw.get("limit"), raw.get("held")
             return cls(str(raw["session"]), bool(raw.get("prime", False)), spans,
-                       None if limit is None else int(limit), bool(raw.get("pass", False)))
+                       None if limit is None else int(limit), bool(raw.get("pass", False)),
+                       None if held is None else (int(held[0]), str(held[1])))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed agentkv kv_transfer_params: {exc!r}") from None
 

@@ -23,8 +23,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorHandshakeMetadata,
+                                                               KVConnectorMetadata, KVConnectorRole)
 
 from .params import DEFAULTS
 from .scheduler import ReuseScheduler
@@ -52,6 +52,14 @@ class AgentKVMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
 
 
+@dataclass
+class AgentKVGeometry(KVConnectorHandshakeMetadata):
+    """What each worker tells the scheduler side at start-up, after registering its KV tensors:
+    why it cannot move tokens in them (``worker.geometry_problem``), or None."""
+
+    problem: str | None = None
+
+
 class AgentKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -65,7 +73,7 @@ class AgentKVConnector(KVConnectorBase_V1):
             self.scheduler = ReuseScheduler(vllm_config.cache_config.block_size, unsupported,
                                             float(extra["hold_fraction"]), float(extra["hold_ttl_s"]))
         else:
-            self.mover = KVMover(rope)
+            self.mover = KVMover(rope, vllm_config.cache_config.block_size)
         self._failed_blocks: set[int] = set()
 
     @property
@@ -107,6 +115,20 @@ class AgentKVConnector(KVConnectorBase_V1):
         reference, so vLLM frees them now as usual) and report an edit's outcome."""
         return False, self.scheduler.finished(request, block_ids)
 
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        """Once at start-up, every worker's (every pipeline and tensor-parallel rank's) geometry:
+        one that cannot move tokens turns reuse off for all (``geometry``), with a log line."""
+        problems = sorted((rank, m.problem) for rank, m in metadata.items()
+                          if isinstance(m, AgentKVGeometry) and m.problem)
+        if problems and self.scheduler is not None:
+            (pp, tp), problem = problems[0]
+            log.warning("agentkv connector: reuse disabled, worker pp %d tp %d: %s; every edit recomputes",
+                        pp, tp, problem)
+            self.scheduler.refuse(problem)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
+
     def get_kv_connector_stats(self) -> AgentKVStats | None:
         """After each step (scheduler side; the worker side has none): outcomes since the last call."""
         return self.scheduler.take_stats() if self.scheduler is not None else None
@@ -119,8 +141,12 @@ class AgentKVConnector(KVConnectorBase_V1):
 
     # ---- worker side: called by the model runner of each worker, around every forward pass ----
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Once, with this worker's KV tensors (its shard of the heads): kept as views."""
+        """Once, with this worker's KV tensors (its shard of the heads): kept as views, checked."""
         self.mover.register(kv_caches)
+
+    def get_handshake_metadata(self) -> AgentKVGeometry | None:
+        """After ``register_kv_caches``: the worker's geometry verdict, for the scheduler side."""
+        return AgentKVGeometry(self.mover.problem) if self.mover is not None else None
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Before the forward pass of a step with loads: every claimed token is in place when it

@@ -63,6 +63,7 @@ class ReuseScheduler:
     loading: dict[str, LoadSpec] = field(default_factory=dict)
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     stats: AgentKVStats = field(default_factory=AgentKVStats)
+    geometry: str | None = None      # why a worker cannot move in its KV tensors, or None
     _reported_held: int = -1
 
     def bind(self, pool: BlockPool) -> None:
@@ -96,14 +97,25 @@ class ReuseScheduler:
         self.claims[request.request_id] = claim
         return claim.end - claim.start
 
+    def refuse(self, geometry: str) -> None:
+        """A worker's KV tensors cannot be moved in (``worker.geometry_problem``): every edit falls
+        back (``geometry``), and nothing is held."""
+        self.geometry = geometry
+        if self.held is not None:
+            self.held.forget_all()
+
     def _plan(self, request: Request, p: Params, start: int, need: int) -> tuple[Claim | None, str | None]:
         if self.unsupported is not None:
             return None, "unsupported"
+        if self.geometry is not None:
+            return None, "geometry"
         if self.held.budget <= 0:
             return None, "no_budget"
         prompt = self.held.get(p.session, PROMPT)
         if prompt is None:
             return None, self.held.missing_reason(p.session)
+        if p.held is None or p.held != prompt.identity:   # before anything is read from it
+            return None, "held_mismatch"
         prime = self.held.get(p.session, PRIME) if any(n for _, _, n in p.spans) else None
         entries = [prompt, prime]
         repin = sum(len(e.blocks) for e in entries if e is not None and not e.pinned)
@@ -184,7 +196,7 @@ class ReuseScheduler:
                                 RequestStatus.FINISHED_REPETITION)
         prompt = request.prompt_token_ids or []
         if (p is not None and not p.keep and ok and self.held is not None and self.unsupported is None
-                and request.num_computed_tokens >= len(prompt)):
+                and self.geometry is None and request.num_computed_tokens >= len(prompt)):
             self.held.hold(p.session, PRIME if p.prime else PROMPT, np.asarray(prompt, dtype=np.int64), block_ids)
         outcome = self.outcomes.pop(request.request_id, None)
         if p is not None and p.prime and self.held is not None:   # what the front's blend plans need

@@ -67,25 +67,47 @@ def check_support(vllm_config) -> tuple[RopeParams | None, str | None]:
     return rope, None
 
 
-class KVMover:
-    """Called by the worker-side connector only, from the model runner's thread."""
+def geometry_problem(caches: dict[str, PagedKV], block_size: int, rope: RopeParams | None) -> str | None:
+    """Why these KV tensors cannot be moved in as the scheduler's block ids address them, or None.
+    Block ids are the scheduler's (``block_size`` tokens each): a tensor whose blocks are of another
+    size (vLLM splits a scheduler block into smaller kernel blocks for some attention backends, and
+    with decode context parallelism) would take moved tokens into other requests' slots."""
+    if not caches:
+        return "no KV cache layers registered"
+    for name, cache in caches.items():
+        if cache.block_size != block_size:
+            return (f"layer {name}: KV tensor blocks hold {cache.block_size} tokens, the scheduler's "
+                    f"{block_size}")
+        if rope is not None and cache.head_dim != rope.head_dim:
+            return f"layer {name}: KV head_dim {cache.head_dim}, the model's RoPE head_dim {rope.head_dim}"
+    blocks = {c.key.shape[0] for c in caches.values()}
+    if len(blocks) != 1:
+        return f"layers hold different numbers of blocks ({sorted(blocks)})"
+    return None
 
-    def __init__(self, rope: RopeParams | None):
-        self.rope = rope
+
+class KVMover:
+    """Called by the worker-side connector only, from the model runner's thread. ``block_size``:
+    the scheduler's (what the block ids in a load count in)."""
+
+    def __init__(self, rope: RopeParams | None, block_size: int):
+        self.rope, self.block_size = rope, block_size
         self.caches: dict[str, PagedKV] = {}
+        self.problem: str | None = None
         self.fail_all = os.environ.get(FAULT_ENV) == "1"
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Views of vLLM's per-layer KV tensors (no copies). A layout that is not one ``PagedKV``
-        reads turns moving off: every load then fails, and vLLM recomputes."""
+        """Views of vLLM's per-layer KV tensors (no copies), checked: every layer one ``PagedKV`` of
+        the scheduler's block size and the model's head_dim. What is not turns moving off
+        (``problem``, which the scheduler side learns at start-up and reports as ``geometry``)."""
         try:
             self.caches = {name: PagedKV.from_vllm(t) for name, t in kv_caches.items()}
+            self.problem = geometry_problem(self.caches, self.block_size, self.rope)
         except ValueError as exc:
-            log.warning("agentkv connector: %s; moving disabled", exc)
-            self.caches, self.rope = {}, None
-        if self.rope is not None and any(c.head_dim != self.rope.head_dim for c in self.caches.values()):
-            log.warning("agentkv connector: cache head_dim differs from the model's; moving disabled")
-            self.rope = None
+            self.caches, self.problem = {}, f"KV layout: {exc}"
+        if self.problem:
+            log.warning("agentkv connector: %s; moving disabled, every edit recomputes", self.problem)
+            self.caches = {}
         first = next(iter(kv_caches.items()), None)
         log.info("agentkv connector: %d KV layers on this worker, e.g. %s %s", len(kv_caches),
                  *((first[0], tuple(first[1].shape)) if first else ("-", ())))
@@ -100,18 +122,17 @@ class KVMover:
                                        else f"{FAULT_ENV}=1")
                 self._move(spec)
             except (RuntimeError, ValueError, IndexError) as exc:
-                block_size = next(iter(self.caches.values())).block_size if self.caches else 1
                 log.warning("agentkv connector: load for %s failed (%s); vLLM recomputes it", spec.req_id, exc)
-                failed |= spec.dst_block_ids(block_size)
+                failed |= spec.dst_block_ids(self.block_size)
         return failed
 
     def _move(self, spec: LoadSpec) -> None:
-        by_block_size: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        for cache in self.caches.values():
-            bs = cache.block_size
-            if bs not in by_block_size:
-                by_block_size[bs] = self._slots(spec, bs, cache.key.device)
-            src, dst, deltas = by_block_size[bs]
+        by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for cache in self.caches.values():   # every layer's blocks are the scheduler's (``register``)
+            device = cache.key.device
+            if device not in by_device:
+                by_device[device] = self._slots(spec, self.block_size, device)
+            src, dst, deltas = by_device[device]
             move_tokens(cache, cache, src, dst, deltas, self.rope)
 
     @staticmethod
