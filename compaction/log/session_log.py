@@ -136,9 +136,10 @@ class SessionLog(ABC):
     def put_state(self, session: str, state: dict) -> None:
         self._execute(PUT_STATE, (session, json.dumps(state)))
 
-    def states_like(self, session: str) -> dict[str, dict]:
-        """The view states of ``session`` and of its forks ``session.N`` (see server.sessions)."""
-        return _states_like(lambda sql, p: self._execute(sql, p), self.FORKS_SQL, session)
+    def states_like(self, session: str, sep: str = ".") -> dict[str, dict]:
+        """The view states of ``session`` and of the ones named ``session<sep>...`` (its forks or
+        branches, see server.pipeline.sessions)."""
+        return _states_like(lambda sql, p: self._execute(sql, p), self.FORKS_SQL, session, sep)
 
     def add_note(self, session: str, kind: str, text: str) -> int:
         return self._execute("INSERT INTO notes (session, kind, text, created) VALUES (?, ?, ?, ?) RETURNING id",
@@ -171,10 +172,11 @@ class SessionLog(ABC):
         return [m for (turn,) in rows for m in json.loads(turn)]
 
 
-def _states_like(run: Callable, sql: str, session: str) -> dict[str, dict]:
-    rows = run(sql, (session, session + "/"))  # '/' follows '.': the key range holds session.*; the filter below is exact
+def _states_like(run: Callable, sql: str, session: str, sep: str) -> dict[str, dict]:
+    assert sep < "/", sep   # the key range [session, session + "/") holds session<sep>*; the filter is exact
+    rows = run(sql, (session, session + "/"))
     rows = rows.fetchall() if hasattr(rows, "fetchall") else rows
-    return {r[0]: json.loads(r[1]) for r in rows if r[0] == session or r[0].startswith(session + ".")}
+    return {r[0]: json.loads(r[1]) for r in rows if r[0] == session or r[0].startswith(session + sep)}
 
 
 class LogTransaction:
@@ -187,8 +189,8 @@ class LogTransaction:
         row = self._run("SELECT state FROM views WHERE session=?", (session,)).fetchone()
         return json.loads(row[0]) if row else None
 
-    def states_like(self, session: str) -> dict[str, dict]:
-        return _states_like(self._run, self._log.FORKS_SQL, session)
+    def states_like(self, session: str, sep: str = ".") -> dict[str, dict]:
+        return _states_like(self._run, self._log.FORKS_SQL, session, sep)
 
     def append(self, session: str, messages: list[Message]) -> list[int]:
         return self._log._append(self._run, session, messages) if messages else []

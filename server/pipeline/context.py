@@ -1,14 +1,18 @@
 """Applies a context policy to a session's conversation: the request path's compaction step.
 
-Order per request: sync the conversation into the session log (before any edit, as the client
-sent it), rebuild the view from the edits in force, drop what a client-sent compaction block
-replaces, put every message in the form the engine takes (``engine_form``, given by the API's
-format module), run the policy's edits on that view, persist what fired, report it.
+Order per request, in one transaction of the session log: sync the conversation into the log
+(before any edit, as the client sent it), rebuild the view from the edits in force, drop what a
+client-sent compaction block replaces, put every message in the form the engine takes
+(``engine_form``, given by the API's format module), run the policy's edits on that view, and save
+what fired with the log. A summary the policy needs is written first, outside the transaction (it
+takes the model seconds), and read inside it (``summaries``); the transaction then commits the sync
+alone, so the log never waits for a summary.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +26,8 @@ from ...compaction.summarize import ModelClient, summarize
 from ...compaction.thinking import clear_thinking
 from .. import timing
 from .sessions import SessionRef, Sessions, ViewState
+from ...kernels.connector.params import prompt_hash
+from .summaries import Summaries, SummaryNeeded
 
 log = logging.getLogger("agentkv.context")
 EngineForm = Callable[[Message], Message]
@@ -38,6 +44,9 @@ class Prepared:
     compaction: Message | None = None  # the summary a compact edit wrote in this request
     compact_edit: Compact | None = None  # ... and that edit
     prompt_ids: list[int] = field(default_factory=list)  # the final view prompt (want_ids: bench front)
+    branch: str = ""        # the conversation branch's key (its view state): what KV reuse holds blocks for
+    view_edited: bool = False  # the view has cleared messages in force (moved K/V may be in its prompt)
+    held: tuple[int, str] | None = None  # (tokens, prompt_hash) of the branch's previous prompt (``identity``)
 
 
 @dataclass
@@ -73,13 +82,13 @@ def after_compaction(view: list[Message], where: list[int]) -> tuple[list[Messag
     return view[:lead] + view[last:], where[:lead] + where[last:]
 
 
-class SummaryNeeded(Exception):
-    """A compact edit would fire: the step calls the model and belongs off the event loop."""
+SUMMARY_TRIES = 3   # a summary written, then the conversation changed under it again: at most this often
 
 
 class ContextManager:
-    def __init__(self, sessions: Sessions, renderer: PromptRenderer, summarizer: ModelClient):
-        self.sessions, self.renderer, self.summarizer = sessions, renderer, summarizer
+    def __init__(self, sessions: Sessions, renderer: PromptRenderer, summarizer: ModelClient | None):
+        self.sessions, self.renderer = sessions, renderer
+        self.summaries = Summaries(summarizer)
 
     def _view(self, state: ViewState, messages: list[Message], engine_form: EngineForm | None):
         view, where = after_compaction(*state.view(messages))
@@ -88,9 +97,11 @@ class ContextManager:
         return view, where
 
     def _edit(self, run: _Run, state: ViewState, tools: list | None, policy: ContextManagement | None,
-              history: list[Message], notes_key: str | None, window: int | None, may_summarize: bool = True) -> _Run:
+              history: list[Message], notes_key: str | None, window: int | None,
+              summarizer: ModelClient | None = None) -> _Run:
         """Run the policy's edits on ``run.view``, recording what replaces which conversation
-        message in ``state``. Compact edits run only with ``notes_key`` (a session to write to)."""
+        message in ``state``. Compact edits run only with ``notes_key`` (a session to write to) and
+        a ``summarizer`` (``SummaryNeeded`` from it goes up)."""
         tokens_moved = False  # an edit changed tokens before clearing's: its KV edits no longer apply
         for edit in policy.edits if policy else []:
             view, where = run.view, run.where
@@ -116,15 +127,15 @@ class ContextManager:
                 run.applied.append({"type": edit.type, "cleared_tool_uses": r.cleared_tool_uses,
                                     "cleared_input_tokens": r.cleared_tokens,
                                     "edits": [e.as_dict() for e in r.edits]})
-            elif notes_key is not None:
+            elif notes_key is not None and summarizer is not None:
                 if self.renderer.count(view, tools) < edit.trigger:  # no summary: the log's notes not read
                     continue
-                if not may_summarize:
-                    raise SummaryNeeded
                 notes = [f"{kind}: {text}" for kind, text in self.sessions.log.notes(notes_key)]
                 try:
-                    r = summarize(view, self.renderer, edit, self.summarizer, tools, notes, history=history,
+                    r = summarize(view, self.renderer, edit, summarizer, tools, notes, history=history,
                                   window=window)
+                except SummaryNeeded:
+                    raise
                 except Exception as exc:  # the summarizer's call failed: serve the request uncompacted
                     log.warning("session %s: summary failed: %s", notes_key, exc)
                     run.failed.append({"type": edit.type, "error": f"{exc.__class__.__name__}: {exc}"[:500]})
@@ -146,26 +157,56 @@ class ContextManager:
 
     def prepare(self, owner: str, ref: SessionRef, messages: list[Message], tools: list | None,
                 policy: ContextManagement | None, window: int | None = None,
-                engine_form: EngineForm | None = None, want_ids: bool = False, may_summarize: bool = True) -> Prepared:
-        """The request's view, its edits applied and persisted. ``may_summarize=False``: raise
-        ``SummaryNeeded`` where a compact edit would call the model, before anything but the sync
-        (which a second call finds done) is persisted."""
-        synced = self.sessions.sync(owner, ref, messages, self.renderer.known.keys(messages))
-        key, session_id, state = synced.key, synced.id, synced.state
+                engine_form: EngineForm | None = None, want_ids: bool = False, may_summarize: bool = True,
+                identity: bool = False) -> Prepared:
+        """The request's view, its edits applied and saved with the log in one transaction.
+        ``may_summarize=False``: raise ``SummaryNeeded`` where a summary must be written first, once
+        the sync alone (which a second call finds done) is saved. ``identity``: keep the identity of
+        the prompt sent (KV reuse: the next edit names the prompt it is on by it)."""
+        keys = self.renderer.known.keys(messages)
         history = [engine_form(m) for m in messages] if engine_form else messages
         before = self.renderer.count(history, tools)
-        run = self._edit(_Run(*self._view(state, messages, engine_form)), state, tools, policy, history, key,
-                         window, may_summarize)
-        if run.applied:  # an edit fired and changed the view state (sync saved it unchanged)
-            self.sessions.save(key, state)
+        for attempt in range(SUMMARY_TRIES):
+            run, failure = None, None
+            with self.sessions.open(owner, ref, messages, keys) as synced:
+                work = synced.state.copy()
+                try:
+                    run = self._edit(_Run(*self._view(work, messages, engine_form)), work, tools, policy, history,
+                                     synced.key, window, self.summaries.reader(last_try=attempt == SUMMARY_TRIES - 1))
+                    held = synced.state.sent
+                    if identity:             # what the KV connector will hold for this branch
+                        ids = self.renderer.render(run.view, tools).token_ids
+                        work.sent = [len(ids), prompt_hash(ids)]
+                    synced.state = work      # saved as the transaction ends
+                except SummaryNeeded:
+                    pass                     # the sync alone is saved: the log before any edit
+                except Exception as exc:     # a failing edit must not lose the log's new messages
+                    failure = exc
+            if failure is not None:
+                raise failure
+            if run is not None:
+                break
+            if not may_summarize:
+                raise SummaryNeeded
+            self._write_summary(synced, messages, tools, policy, history, window, engine_form)
         view = run.view
         after = self.renderer.count(view, tools) if view != history else before
-        report = {"session_id": session_id, "applied_edits": run.applied,
+        report = {"session_id": synced.id, "applied_edits": run.applied,
                   "prompt_tokens_before": before, "prompt_tokens_after": after}
         if run.failed:
             report["failed_edits"] = run.failed
         ids = self.renderer.render(view, tools).token_ids if want_ids else []
-        return Prepared(key, session_id, view, report, run.kv_edits, run.old_ids, run.summary, run.compact_edit, ids)
+        return Prepared(synced.key, synced.id, view, report, run.kv_edits, run.old_ids, run.summary, run.compact_edit,
+                        ids, synced.branch, bool(synced.state.replaced), tuple(held) if held else None)
+
+    def _write_summary(self, synced, messages: list[Message], tools: list | None, policy: ContextManagement | None,
+                       history: list[Message], window: int | None, engine_form: EngineForm | None) -> None:
+        """Run the edits on the saved state outside any transaction, the model writing what they
+        need (into ``summaries``); nothing is saved here."""
+        state = ViewState.load(self.sessions.log.get_state(synced.branch))
+        state.keys = synced.state.keys
+        self._edit(_Run(*self._view(state, messages, engine_form)), state, tools, policy, history, synced.key, window,
+                   self.summaries.writer())
 
     def count(self, messages: list[Message], tools: list | None, policy: ContextManagement | None,
               engine_form: EngineForm | None = None) -> tuple[int, int]:
@@ -174,8 +215,7 @@ class ContextManager:
         generation), nothing is logged."""
         state = ViewState()
         history = [engine_form(m) for m in messages] if engine_form else messages
-        run = self._edit(_Run(*self._view(state, messages, engine_form)), state, tools, policy, history, None,
-                         None)
+        run = self._edit(_Run(*self._view(state, messages, engine_form)), state, tools, policy, history, None, None)
         return self.renderer.count(run.view, tools), self.renderer.count(history, tools)
 
 
@@ -215,10 +255,10 @@ async def manage(ctx: ContextManager, cfg, window: int, owner: str, ref: Session
     prepared = None
     if ctx.sessions.log.LOCAL and text_size(conversation, INLINE_CHARS) <= INLINE_CHARS:
         try:
-            prepared = ctx.prepare(*args, may_summarize=False)
+            prepared = ctx.prepare(*args, may_summarize=False, identity=cfg.kv_connector)
         except SummaryNeeded:
             pass
     if prepared is None:
-        prepared = await asyncio.to_thread(ctx.prepare, *args)
+        prepared = await asyncio.to_thread(functools.partial(ctx.prepare, *args, identity=cfg.kv_connector))
     timing.mark("context_end")
     return prepared

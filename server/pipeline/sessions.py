@@ -6,10 +6,9 @@ summary), so the view stays the same from one request to the next (the prefix ca
 and changes only when a policy edit fires. Every new message is appended to the log before any
 edit is applied; the log is never rewritten.
 
-Which session: the client's own id where it sends one (``SOURCES``, first present wins), else an
-id derived from the conversation's first system and user messages. A derived id never merges two
-conversations: when the stored history is neither a prefix of the incoming conversation nor
-continued by it, the conversation gets a fork ``auto-<hash>.N`` of its own.
+Which session: the client's own id where it sends one (``SOURCES``, first present wins), else one
+derived from the conversation (see ``Sessions``). Conversations under one explicit id are branches
+of that session; a conversation without one never joins a session holding anything it did not send.
 """
 
 from __future__ import annotations
@@ -17,7 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable, Mapping
+import secrets
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,7 +99,8 @@ def session_key(owner: str, session_id: str) -> tuple[str, str]:
 
 
 def derived_id(messages: list[Message]) -> str:
-    """An id from the conversation's first system and first user message (stable as it grows)."""
+    """The base of a derived id, from the conversation's first system and first user message (stable
+    as it grows); each conversation's id is this base and a random token (``Sessions.open``)."""
     first = [m for m in messages if m.get("role") in ("system", "developer")][:1] + \
             [m for m in messages if m.get("role") == "user"][:1]
     return "auto-" + hashlib.sha256(json.dumps(first, sort_keys=True).encode()).hexdigest()[:24]
@@ -113,17 +116,24 @@ class ViewState:
     summary: Message | None = None
     summary_start: int = 0
     summary_end: int = 0
+    sent: list | None = None   # [tokens, prompt_hash] of the last view prompt sent: what the connector holds
 
     @classmethod
     def load(cls, raw: dict | None) -> ViewState:
         if not raw:
             return cls()
         return cls(raw["keys"], {int(k): v for k, v in raw["replaced"].items()}, raw["summary"],
-                   raw["summary_start"], raw["summary_end"])
+                   raw["summary_start"], raw["summary_end"], raw.get("sent"))
 
     def dump(self) -> dict:
         return {"keys": self.keys, "replaced": {str(k): v for k, v in self.replaced.items()},
-                "summary": self.summary, "summary_start": self.summary_start, "summary_end": self.summary_end}
+                "summary": self.summary, "summary_start": self.summary_start, "summary_end": self.summary_end,
+                "sent": self.sent}
+
+    def copy(self) -> ViewState:
+        """A copy an edit can change without touching this one (messages are never changed in place)."""
+        return ViewState(list(self.keys), dict(self.replaced), self.summary, self.summary_start, self.summary_end,
+                         self.sent)
 
     def forget_from(self, n: int) -> None:
         """The conversation diverged at index n: edits at or after it no longer apply."""
@@ -153,57 +163,103 @@ def _common(a: list[str], b: list[str]) -> int:
     return next(i for i in range(n) if a[i] != b[i])
 
 
-def _continues(stored: dict | None, keys: list[str]) -> bool:
-    """The stored conversation and the incoming one are the same conversation: one is a prefix of
-    the other (a next turn, or a retry of an earlier one)."""
-    if not stored:
-        return True
-    old = stored["keys"]
-    return _common(old, keys) == min(len(old), len(keys))
+MAX_BRANCHES = 32      # view states kept per explicit session; the least recently used one goes first
+BRANCH = "#"           # a branch's state key: ``owner/id#N`` (``#`` is never in an id)
 
 
 @dataclass
 class Synced:
-    key: str          # storage key (owner/id)
+    key: str          # the log's key (owner/id): every branch of a session appends to one log
     id: str           # public id (X-Session-Id)
     state: ViewState
+    branch: str = ""  # the view state's key: ``key`` itself, or ``key#N`` for a further branch
+
+    def __post_init__(self) -> None:
+        self.branch = self.branch or self.key
 
 
 class Sessions:
-    """The session log plus per-session view state. Methods are blocking (SQLite)."""
+    """The session log plus per-session view state. Methods are blocking (SQLite).
+
+    An explicit id is the client's word that its requests belong together: conversations that
+    share it (an agent's subagents, side requests) are **branches** of one session. Each branch
+    keeps its own view state (its edits), and the log gets each message once: a request appends
+    only what follows the longest prefix it shares with a branch. A request without an id gets a
+    session only when its conversation continues a stored one of the same key entirely (every
+    stored message is in it), else a fork of its own with an unguessable id (``auto-<base>.<token>``):
+    the id it gets back, and ``recall`` through it, never show a message it did not send itself."""
 
     def __init__(self, log: SessionLog):
         self.log = log
 
     def sync(self, owner: str, ref: SessionRef, messages: list[Message], keys: list[str] | None = None) -> Synced:
-        """Find the session, append the messages its log has not seen (before any edit) and return
-        its view state: one transaction, so concurrent requests on one session append each message once.
+        """``open`` whose state is saved as synced (no edits)."""
+        with self.open(owner, ref, messages, keys) as synced:
+            return synced
+
+    @contextmanager
+    def open(self, owner: str, ref: SessionRef, messages: list[Message],
+             keys: list[str] | None = None) -> Iterator[Synced]:
+        """Find the session and its branch, append the messages its log has not seen (before any
+        edit), and keep the transaction open while the caller edits ``synced.state``: the state is
+        saved in the same transaction when the block ends (not at all if it raises), so concurrent
+        requests on one session neither append a message twice nor lose each other's edits.
         ``keys``: the messages' ``message_key`` where the caller has them (``KnownMessages``)."""
         keys = [message_key(m) for m in messages] if keys is None else keys
         if ref.id is not None:
             key, sid = session_key(owner, ref.id)
             with self.log.transaction(key) as tx:
-                return Synced(key, sid, self._merge(tx, key, tx.get_state(key), keys, messages))
-        base = derived_id(messages)
-        lock = f"{owner}/{base}"
-        with self.log.transaction(lock) as tx:
-            forks = tx.states_like(lock)
-            numbers = [0] + [int(k.rsplit(".", 1)[1]) for k in forks if k != lock and k.rsplit(".", 1)[1].isdigit()]
-            candidates = [lock] + [f"{lock}.{n}" for n in sorted(numbers[1:])]
-            key = next((k for k in candidates if _continues(forks.get(k), keys)), f"{lock}.{max(numbers) + 1}")
-            return Synced(key, key.split("/", 1)[1], self._merge(tx, key, forks.get(key), keys, messages))
+                synced = self._branch(tx, key, sid, keys, messages)
+                yield synced
+                self._put(tx, synced)
+            return
+        base = f"{owner}/{derived_id(messages)}"
+        with self.log.transaction(base) as tx:
+            forks = tx.states_like(base)
+            fitting = [(len(s["keys"]), k) for k, s in forks.items() if k != base
+                       and _common(s["keys"], keys) == len(s["keys"])]   # stored keys: a prefix of these
+            key = max(fitting)[1] if fitting else f"{base}.{secrets.token_hex(8)}"
+            state = ViewState.load(forks.get(key))
+            tx.append(key, messages[len(state.keys):])
+            state.keys = keys
+            synced = Synced(key, key.split("/", 1)[1], state)
+            yield synced
+            self._put(tx, synced)
 
     @staticmethod
-    def _merge(tx: LogTransaction, key: str, raw: dict | None, keys: list[str],
-               messages: list[Message]) -> ViewState:
-        state = ViewState.load(raw)
-        common = _common(keys, state.keys)
-        if common < len(state.keys):
-            state.forget_from(common)
+    def _branch(tx: LogTransaction, key: str, sid: str, keys: list[str], messages: list[Message]) -> Synced:
+        """The branch of an explicit session that these messages continue (its keys a prefix of
+        theirs; the longest, then the most recent), else a new branch copied from the one they share
+        the longest prefix with, its edits before the divergence kept. The log gets what follows."""
+        branches = tx.states_like(key, BRANCH)
+        scored = []
+        for name, raw in branches.items():
+            n = _common(raw["keys"], keys)
+            scored.append((n == len(raw["keys"]), n, raw.get("used", 0), name))
+        if not scored:
+            state, branch, n = ViewState(), key, 0
+        else:
+            continues, n, _, name = max(scored)
+            state = ViewState.load(branches[name])
+            branch = name
+            if not continues:
+                state.forget_from(n)
+                branch = _new_branch(key, branches)
+        tx.append(key, messages[n:])
         state.keys = keys
-        tx.append(key, messages[common:])
-        tx.put_state(key, state.dump())
-        return state
+        return Synced(key, sid, state, branch)
 
-    def save(self, key: str, state: ViewState) -> None:
-        self.log.put_state(key, state.dump())
+    @staticmethod
+    def _put(tx: LogTransaction, synced: Synced) -> None:
+        raw = synced.state.dump()
+        raw["used"] = time.time()
+        tx.put_state(synced.branch, raw)
+
+
+def _new_branch(key: str, branches: dict[str, dict]) -> str:
+    if not branches:
+        return key
+    if len(branches) >= MAX_BRANCHES:
+        return min(branches, key=lambda k: branches[k].get("used", 0))
+    taken = {k for k in branches}
+    return next(f"{key}{BRANCH}{n}" for n in range(1, MAX_BRANCHES + 1) if f"{key}{BRANCH}{n}" not in taken)
