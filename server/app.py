@@ -21,6 +21,7 @@ from .engine.supervisor import EngineState, Supervisor
 from .errors import install_error_handlers
 from .limits import BodyLimit
 from .metrics import RequestMetrics, render
+from .pipeline.compaction_item import CompactionSeal, load_key
 from .pipeline.sessions import Sessions
 
 
@@ -37,6 +38,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app.state.cfg = cfg
     app.state.supervisor = Supervisor(cfg)
     app.state.sessions = Sessions(open_session_log(cfg.session_db_path))
+    app.state.compaction_seal = CompactionSeal(load_key(path=cfg.compaction_key_file))
     app.state.context = None
     app.state.context_lock = threading.Lock()
     install_error_handlers(app)

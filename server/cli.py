@@ -71,6 +71,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from .app import create_app
 
     from .errors import SESSION_LOG_OPEN_ERRORS
+    from .pipeline.compaction_item import KeyFileError
 
     cfg = _config_from(ns)
     secure_home(sqlite_files(cfg.session_db_path))
@@ -81,6 +82,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         app = create_app(cfg)
     except SESSION_LOG_OPEN_ERRORS as exc:  # libpq may echo the URL: never its password
         raise ValueError(cfg.redact(f"cannot open the session log (--session-db): {exc}")) from None
+    except KeyFileError as exc:
+        raise ValueError(f"cannot load the compaction key (--compaction-key-file): {exc}") from None
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                 timeout_graceful_shutdown=30)
     return 0

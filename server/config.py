@@ -72,7 +72,12 @@ class ServeConfig(BaseModel):
     kv_hold_fraction: float = Field(0.25, ge=0, le=1, description="connector: share of the KV pool that may hold "
                                     "sessions' last prompt blocks for their next turn (0: hold nothing, recompute)")
     kv_hold_ttl_s: float = Field(300.0, gt=0, description="connector: seconds a session's blocks are held at most")
+    shared_prefix_cache: bool = Field(False, description="one tenant: requests of every API key share prefix-cache "
+                                      "blocks (off: each key's are its own, so no key can time another's prompts)")
     max_request_mb: float = Field(32.0, gt=0, description="largest accepted request body (MiB)")
+    compaction_key_file: str | None = Field(None, description="the key that signs compaction items: 32 bytes or 64 hex "
+                                            "digits, made when missing; default $AGENTKV_HOME/compaction.key "
+                                            "(replicas must share it)")
     session_db: str | None = Field(None, repr=False, description="session log: a SQLite path or a postgresql:// URL; default $AGENTKV_HOME/sessions.db")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 

@@ -1,9 +1,12 @@
-"""agentkv's own request fields, beside each API's, and the KV reuse modes: declared once.
+"""agentkv's own request fields, beside each API's, the engine fields the server alone decides, and
+the KV reuse modes: declared once.
 
 Every API's request model takes ``AgentKVFields`` (``context_management`` is declared per API: it
 is also Anthropic's and OpenAI's own field, in their shapes); the server's config and the
-benchmarks take the same ``KVMode`` and ``BlendStrategy``. ``SERVER_ONLY`` names the engine
-fields that only the server sets: a client that sends one is refused (``refuse_server_only``).
+benchmarks take the same ``KVMode`` and ``BlendStrategy``. ``EngineBound`` declares the engine
+fields a client may not set as it likes: those in ``SERVER_ONLY`` (they steer the KV connector:
+which blocks it holds, under which session, what it loads where) are refused with a 400 naming
+the field, and ``cache_salt`` is combined with the server's own salt (``pipeline.cache_salt``).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Literal, get_args
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from .errors import APIError
 
@@ -30,7 +33,26 @@ class KVBlend(BaseModel):
     fraction: float | None = Field(None, ge=0, le=1)
 
 
-class AgentKVFields(BaseModel):
+SERVER_ONLY: tuple[str, ...] = ("kv_transfer_params", "vllm_xargs")
+
+
+class EngineBound(BaseModel):
+    """Engine fields only the server sets (``SERVER_ONLY``: a 400 when a client sends one, null
+    included) or sets with the client's part in it (``cache_salt``). Never dumped: what reaches
+    the engine of them is the server's."""
+
+    kv_transfer_params: Any = Field(None, exclude=True)
+    vllm_xargs: Any = Field(None, exclude=True)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256, exclude=True)
+
+    @field_validator(*SERVER_ONLY, mode="before")
+    @classmethod
+    def _refused(cls, value: Any, info: ValidationInfo) -> Any:
+        raise ValueError(f"{info.field_name} is set by the server only (it steers the KV connector); "
+                         "remove it from the request")
+
+
+class AgentKVFields(EngineBound):
     """agentkv's own fields on every API, consumed by the front and never sent to the engine."""
 
     session_id: str | None = None

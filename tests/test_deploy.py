@@ -76,6 +76,13 @@ def test_deployment_gpus_probes_and_flags():
     secret = kinds["Secret"]["stringData"]
     refs = {e["valueFrom"]["secretKeyRef"]["key"] for e in container["env"] if "valueFrom" in e}
     assert refs <= secret.keys()
+    # every replica reads the one compaction key from the Secret, mounted as a file
+    key_file = next(e["value"] for e in container["env"] if e["name"] == "AGENTKV_COMPACTION_KEY_FILE")
+    volume = next(v for v in pod["spec"]["volumes"] if v.get("secret"))
+    mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
+    (item,) = volume["secret"]["items"]
+    assert volume["secret"]["secretName"] == kinds["Secret"]["metadata"]["name"] and item["key"] in secret
+    assert key_file == f"{mount['mountPath']}/{item['path']}"
 
 
 def affinity_key() -> str:
@@ -100,6 +107,10 @@ def test_compose_file_follows_the_compose_spec():
         assert (DEPLOY / build["context"] / build["dockerfile"]).is_file()
         _serve_args_parse(services[name].get("command", []))
         assert services[name]["environment"]["AGENTKV_SESSION_DB"].startswith("postgresql://")
+        # the image keeps its compaction key on this volume: items outlive a recreated container
+        image_env = dict(re.findall(r"(AGENTKV_[A-Z_]+)=(\S+)", (DEPLOY / build["context"] / build["dockerfile"]).read_text()))
+        key_dir = image_env["AGENTKV_COMPACTION_KEY_FILE"].rsplit("/", 1)[0]
+        assert any(v.split(":")[1] == key_dir for v in services[name]["volumes"]), services[name]["volumes"]
 
 
 def test_compose_file_is_rejected_with_a_typo():
@@ -120,3 +131,6 @@ def test_dockerfile_lints_clean_and_runs_agentkv(path):
     assert entry[:2] == ["agentkv", "serve"]
     _serve_args_parse(entry[2:])
     assert "EXPOSE 8000" in text and "/health" in text
+    key_file = re.search(r"AGENTKV_COMPACTION_KEY_FILE=(\S+)", text).group(1)
+    volume = json.loads(re.search(r"^VOLUME (\[.*\])$", text, re.M).group(1))
+    assert any(key_file.startswith(v + "/") for v in volume), (key_file, volume)   # the key is kept

@@ -195,9 +195,23 @@ def test_nothing_held_for_a_new_session(shift_server):
     fallback(shift_server, "not_held", None, conversation() + LATER)
 
 
-def test_prompt_changed_under_the_same_session(shift_server):
-    # the same session id, another conversation: what the session held no longer matches
-    fallback(shift_server, "prompt_changed", conversation("agent, v1"), conversation("other agent, v2") + LATER)
+def test_another_conversation_under_the_same_id_is_a_branch_with_nothing_held(shift_server):
+    # the same session id, another conversation: a branch of its own, which holds nothing yet
+    fallback(shift_server, "not_held", conversation("agent, v1"), conversation("other agent, v2") + LATER)
+
+
+def test_a_held_prompt_that_is_not_the_last_one_sent_is_never_read(shift_server):
+    """The branch's last prompt went to the engine without the connector holding it (``recompute``
+    asked for it): the prompt still held is an older one, and the edit, computed against the last
+    one, is refused before anything is loaded (on c095b51 it was planned against the older one)."""
+    msgs = conversation()
+    sid = f"h-{uuid.uuid4().hex[:8]}"
+    ask(shift_server, msgs, sid, NONE, "shift")                                   # held
+    ask(shift_server, msgs + [{"role": "user", "content": "and the logs?"}], sid, NONE, "recompute")  # not held
+    later = msgs + [{"role": "user", "content": "and the logs?"}] + LATER
+    body = ask(shift_server, later, sid, CLEAR, "shift")
+    assert kv_report(body)["fallback"] == "held_mismatch" and kv_report(body)["reused_tokens"] == 0, kv_report(body)
+    same_logprobs(body, recomputed(shift_server, later[:-1], later))
 
 
 def test_evicted_when_the_pool_needs_the_held_blocks(shift_server):

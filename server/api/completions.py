@@ -1,5 +1,5 @@
 """OpenAI Completions: POST /v1/completions, relayed to the engine (text or token-id prompts; no
-session, no context step)."""
+session, no context step), with the caller's cache salt (``pipeline.cache_salt``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..engine.client import EngineUnavailable, relay_stream, unavailable
+from ..pipeline import cache_salt
 from .chat.protocol import CompletionRequest, forward_body
 from .deps import EngineDep, OwnerDep
 
@@ -14,8 +15,10 @@ router = APIRouter(prefix="/v1")
 
 
 @router.post("/completions")
-async def completions(req: CompletionRequest, request: Request, engine: EngineDep, _: OwnerDep) -> Response:
-    body = forward_body(req, request.app.state.cfg.model_name)
+async def completions(req: CompletionRequest, request: Request, engine: EngineDep, owner: OwnerDep) -> Response:
+    cfg = request.app.state.cfg
+    body = forward_body(req, cfg.model_name)
+    body["cache_salt"] = cache_salt.exact(owner, req.cache_salt, cfg.shared_prefix_cache)
     try:
         if body.get("stream"):
             return await relay_stream(await engine.post_stream("/v1/completions", body))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from dataclasses import dataclass
 import hashlib
 import hmac
 import logging
@@ -32,6 +33,15 @@ _KEY = secrets.token_bytes(32)   # session tokens are unguessable by clients
 log = logging.getLogger("agentkv.kv_reuse")
 
 
+@dataclass(frozen=True)
+class Salts:
+    """The request's two possible cache salts (``pipeline.cache_salt``): K/V vLLM computed, and the
+    conversation branch's once moved K/V are in its prompt."""
+
+    exact: str
+    approximate: str
+
+
 def session_token(session: str) -> str:
     """What the connector knows a session by: a keyed digest of its storage key (owner/id)."""
     return hmac.new(_KEY, session.encode(), hashlib.sha256).hexdigest()[:32]
@@ -41,13 +51,20 @@ def _kv_reports(prepared) -> list[dict]:
     return [e.setdefault("kv", {}) for e in prepared.report["applied_edits"] if e["type"].startswith("clear_tool_uses")]  # agentkv's name or Anthropic's
 
 
-async def attach(cfg, engine, body: dict, session: str, prepared, mode: KVMode | None,
-                 blend: KVBlend | None = None, model_path: str | None = None) -> None:
-    """Set the engine request's ``kv_transfer_params``; after clearing, run the priming request
-    (and blend's passes) first. ``mode`` / ``blend``: the request's, else the server's;
-    ``model_path``: the served model (the deviation probe loads its first layers). Records the edit
-    in the report."""
+async def attach(cfg, engine, body: dict, prepared, mode: KVMode | None, blend: KVBlend | None,
+                 model_path: str | None, salts: Salts) -> None:
+    """Set the engine request's ``cache_salt`` and ``kv_transfer_params``; after clearing, run the
+    priming request (and blend's passes) first. ``mode`` / ``blend``: the request's, else the
+    server's; ``model_path``: the served model (the deviation probe loads its first layers).
+    Records the edit in the report.
+
+    Salts: a request whose prompt may hold moved K/V (the connector on, ``shift``/``blend``, and
+    clearing edits in force in its branch's view) takes the branch's approximate salt, every other
+    request the exact one; the priming request is computed by vLLM (exact), blend's passes read
+    moved K/V (approximate)."""
     mode = mode or cfg.kv_reuse
+    shifting = cfg.kv_connector and mode != "recompute"
+    body["cache_salt"] = salts.approximate if shifting and prepared.view_edited else salts.exact
     if not cfg.kv_connector:
         if mode != "recompute" and prepared.edits:
             log.warning("kv_reuse %s asked (session %s), but this server runs without the KV connector "
@@ -58,17 +75,17 @@ async def attach(cfg, engine, body: dict, session: str, prepared, mode: KVMode |
         return
     if mode == "recompute":
         return
-    params = Params(session_token(session))
+    params = Params(session_token(prepared.branch))
     if prepared.edits:
         edits = sorted(prepared.edits, key=lambda e: e.start)
-        params = dataclasses.replace(params, spans=tuple((e.start, e.end, len(e.replacement_ids)) for e in edits))
+        params = dataclasses.replace(params, spans=tuple((e.start, e.end, len(e.replacement_ids)) for e in edits),
+                                     held=prepared.held)   # the branch's previous prompt: what is held
         reps = [t for e in edits for t in e.replacement_ids]
         primed = None
         if reps or mode == "blend":   # blend plans with what the priming response says
             prime = {"model": body["model"], "prompt": prepared.old_ids[:edits[0].start] + reps, "max_tokens": 1,
-                     "kv_transfer_params": Params(params.session, prime=True).to_wire()}
-            if body.get("cache_salt"):  # the same salt: the prefix is a cache hit
-                prime["cache_salt"] = body["cache_salt"]
+                     "kv_transfer_params": Params(params.session, prime=True).to_wire(),
+                     "cache_salt": salts.exact}   # computed by vLLM; its prefix is an exact cache hit
             status, payload = await engine.post_json("/v1/completions", prime)
             if status != 200:   # the connector then finds no priming prompt and says so
                 log.warning("session %s: priming request answered %s", prepared.session_id, status)
@@ -79,7 +96,7 @@ async def attach(cfg, engine, body: dict, session: str, prepared, mode: KVMode |
         done = {"mode": mode, "primed_tokens": len(reps)}
         if mode == "blend":
             limit, report = await _blend(cfg, engine, body, params, prepared, edits, reps, primed,
-                                         blend or KVBlend(), model_path)
+                                         blend or KVBlend(), model_path, salts.approximate)
             params = dataclasses.replace(params, limit=limit)
             done.update(report)
         for kv in _kv_reports(prepared):
@@ -88,7 +105,7 @@ async def attach(cfg, engine, body: dict, session: str, prepared, mode: KVMode |
 
 
 async def _blend(cfg, engine, body: dict, params: Params, prepared, edits, reps: list[int], primed: Primed | None,
-                 blend: KVBlend, model_path: str | None) -> tuple[int | None, dict]:
+                 blend: KVBlend, model_path: str | None, salt: str) -> tuple[int | None, dict]:
     """Choose the ranges to recompute and run the passes that recompute those in the middle.
     Returns the request's own ``limit`` and what it did, for the edit's ``kv`` report."""
     strategy = blend.strategy or cfg.blend_strategy
@@ -115,10 +132,8 @@ async def _blend(cfg, engine, body: dict, params: Params, prepared, edits, reps:
     pl = kv_blend.plan(strategy, fraction, sp, bs, held_tokens, deviation)
     reused = computed = 0
     for limit, end in pl.passes:
-        req = {"model": body["model"], "prompt": sp.ids[:end], "max_tokens": 1,
+        req = {"model": body["model"], "prompt": sp.ids[:end], "max_tokens": 1, "cache_salt": salt,
                "kv_transfer_params": dataclasses.replace(params, limit=limit, keep=True).to_wire()}
-        if body.get("cache_salt"):
-            req["cache_salt"] = body["cache_salt"]
         status, payload = await engine.post_json("/v1/completions", req)
         if status != 200:
             log.warning("session %s: blend pass answered %s", prepared.session_id, status)
@@ -144,7 +159,8 @@ def take_outcome(kv_transfer_params: dict | None, report: dict | None) -> None:
 
 
 def continued(kv_transfer_params: dict | None) -> dict | None:
-    """The params of a follow-up round (server tools) of an edited request: the edit was the first
-    round's; this prompt only continues that one (same session, nothing to load)."""
+    """The params of a follow-up round (server tools): the edit was the first round's, and this
+    prompt holds the server's tool exchange, which the client's next request will not: nothing is
+    loaded for it and it is not held (the first round's prompt stays the one the next edit is on)."""
     params = Params.from_wire(kv_transfer_params)
-    return Params(params.session).to_wire() if params else None
+    return Params(params.session, keep=True).to_wire() if params else None

@@ -4,9 +4,10 @@ summary message, then any part kept word for word), sealed so that only this ser
 ``encrypted_content`` is ``akv1.<payload>.<tag>``: the payload is base64url(zlib(JSON {"owner",
 "messages"})), the tag base64url(HMAC-SHA256(key, "akv1." + payload)). It is authenticated, not
 encrypted: it holds the caller's own conversation, so secrecy buys nothing, while the tag makes an
-altered or forged item a 400 and binds the item to the API key it was made for. The key is 32 random
-bytes in ``$AGENTKV_HOME/compaction.key`` (mode 0600), made on first use, so items outlive restarts;
-replicas that share sessions must share that file.
+altered or forged item a 400 and binds the item to the API key it was made for. The key is 32 bytes
+in ``--compaction-key-file`` (default ``$AGENTKV_HOME/compaction.key``; raw, or 64 hex digits as
+``openssl rand -hex 32`` writes them), made owner-only when missing, so items outlive restarts;
+replicas that share sessions must share that file (a Kubernetes Secret, say).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import hmac
 import json
 import os
 import secrets
+import tempfile
 import uuid
 import zlib
 from pathlib import Path
@@ -38,21 +40,51 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
-def load_key(home: Path | None = None) -> bytes:
-    """The server's key, created (owner-only) on first use. Concurrent first uses agree: the file
-    is created exclusively and the loser reads the winner's key."""
-    path = (home or agentkv_home()) / KEY_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
+class KeyFileError(RuntimeError):
+    """The compaction key file cannot be read, made, or does not hold a key."""
+
+
+def _parse_key(raw: bytes, path: Path) -> bytes:
+    if len(raw) == 32:
+        return raw
+    text = raw.strip()
+    if len(text) == 64:
+        try:
+            return bytes.fromhex(text.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            pass
+    raise KeyFileError(f"{path} must hold 32 bytes, or 64 hex digits (delete it to make a new key)")
+
+
+def load_key(home: Path | None = None, path: Path | str | None = None) -> bytes:
+    """The server's key from ``path`` (default ``home/compaction.key``), created owner-only when
+    missing. Concurrent first uses (threads, processes, replicas on one volume) agree, and none can
+    read a half-written key: the key is written to a private temporary file first, which is then
+    linked into place only if no key is there yet (an atomic step); the loser reads the winner's."""
+    path = Path(path) if path else (home or agentkv_home()) / KEY_FILE
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        key = path.read_bytes()
-        if len(key) != 32:
-            raise RuntimeError(f"{path} must hold 32 bytes (delete it to make a new key)") from None
-        return key
+        return _load(path)
+    except OSError as exc:
+        raise KeyFileError(f"{path}: {exc.strerror or exc}") from None
+
+
+def _load(path: Path) -> bytes:
+    if path.exists():
+        return _parse_key(path.read_bytes(), path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     key = secrets.token_bytes(32)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key)
+    fd, tmp = tempfile.mkstemp(prefix=".compaction-key-", dir=path.parent)   # mode 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return _parse_key(path.read_bytes(), path)
+    finally:
+        os.unlink(tmp)
     return key
 
 
@@ -93,7 +125,5 @@ class CompactionSeal:
 
 
 def seal_of(state) -> CompactionSeal:
-    """The app's seal (``state``: the app's state), its key loaded on first use."""
-    if getattr(state, "compaction_seal", None) is None:
-        state.compaction_seal = CompactionSeal(load_key())
+    """The app's seal (``state``: the app's state; its key is loaded when the app is made)."""
     return state.compaction_seal

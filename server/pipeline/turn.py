@@ -21,7 +21,7 @@ from ..config import ServeConfig
 from ..engine.client import EngineClient
 from ..kv import reuse as kv_reuse
 from ..options import AgentKVFields
-from . import server_tools
+from . import cache_salt, server_tools
 from .context import EngineForm, Prepared, manage
 from .engine_call import Completion, EngineStream, Refusal, completion, open_stream
 from .server_tools import ToolRunner
@@ -49,7 +49,7 @@ class Turn:
     body: dict[str, Any]
     runner: ToolRunner | None
     engine: EngineClient
-    _kv: tuple | None   # (cfg, fields, model_path) until KV reuse has been attached
+    _kv: tuple | None   # (cfg, fields, model_path, owner) until KV reuse has been attached
 
     @property
     def session_id(self) -> str:
@@ -70,14 +70,16 @@ class Turn:
         return out
 
     async def _attach(self) -> None:
-        """KV reuse runs at the first engine call only (a turn answered without the engine, such
-        as a paused compaction, primes nothing)."""
+        """The cache salt and KV reuse, at the first engine call only (a turn answered without the
+        engine, such as a paused compaction, primes nothing)."""
         if self._kv is None:
             return
-        cfg, fields, model_path = self._kv
+        cfg, fields, model_path, owner = self._kv
         self._kv = None
-        await kv_reuse.attach(cfg, self.engine, self.body, self.prepared.key, self.prepared, fields.kv_reuse,
-                              fields.kv_blend, model_path)
+        salts = kv_reuse.Salts(cache_salt.exact(owner, fields.cache_salt, cfg.shared_prefix_cache),
+                               cache_salt.approximate(self.prepared.branch, fields.cache_salt))
+        await kv_reuse.attach(cfg, self.engine, self.body, self.prepared, fields.kv_reuse, fields.kv_blend,
+                              model_path, salts)
 
     async def complete(self) -> Completion | Refusal:
         await self._attach()
@@ -106,4 +108,4 @@ async def prepare_turn(state, engine: EngineClient, ctx, owner: str, turn: TurnI
     if tools:
         body["tools"] = tools
     runner = ToolRunner(ctx.sessions.log, prepared.key, cfg.max_server_tool_rounds) if on else None
-    return Turn(prepared, body, runner, engine, (cfg, turn.fields, sup.model_path))
+    return Turn(prepared, body, runner, engine, (cfg, turn.fields, sup.model_path, owner))

@@ -1,5 +1,5 @@
 """Chat Completions (and Completions) request bodies, validated at the edge. Unknown fields pass
-through to vLLM untouched, but for the engine fields only the server sets (``options.SERVER_ONLY``)."""
+through to vLLM untouched; the engine fields the server decides are ``options.EngineBound``'s."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ....compaction.policy import ContextManagement
-from ...options import AGENTKV_FIELDS, AgentKVFields, require_utf8
+from ...options import AGENTKV_FIELDS, AgentKVFields, EngineBound, require_utf8
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -58,17 +58,13 @@ class ChatCompletionRequest(_Sampling, AgentKVFields):
     context_management: ContextManagement | None = None   # agentkv's (Anthropic's edits, on chat)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_Sampling, EngineBound):
     prompt: str | list[str] | list[int] | list[list[int]]
-
-
-# set by the front only: a client's value could make the KV connector hold or move blocks
-ENGINE_ONLY_FIELDS = ("kv_transfer_params",)
 
 
 def forward_body(req: _Sampling, model_name: str) -> dict[str, Any]:
     """The JSON sent on to vLLM: what the client sent (less agentkv's own fields), with the served
     model name filled in."""
-    body = req.model_dump(exclude_unset=True, exclude_none=False, exclude=set(AGENTKV_FIELDS + ENGINE_ONLY_FIELDS))
+    body = req.model_dump(exclude_unset=True, exclude_none=False, exclude=set(AGENTKV_FIELDS))
     body["model"] = req.model or model_name
     return require_utf8(body)
