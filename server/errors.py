@@ -29,6 +29,20 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+class PromptTooLong(APIError):
+    """The prompt does not fit the served window: a 400 in each API's own words (Anthropic's
+    ``prompt is too long: N tokens > M maximum``, which Claude Code understands and does not retry;
+    OpenAI's ``context_length_exceeded``), naming both numbers and the flag that sets the window."""
+
+    def __init__(self, tokens: int, window: int, what: str = "the prompt", param: str = "messages"):
+        hint = (f"{what}: {tokens} tokens; the served window: {window}, set by `agentkv serve --max-model-len` "
+                "(at most the model's own)")
+        super().__init__(400, f"This model's maximum context length is {window} tokens. However, your request "
+                              f"has {tokens} input tokens: {hint}.", param=param, code="context_length_exceeded")
+        self.anthropic_message = f"prompt is too long: {tokens} tokens > {window} maximum ({hint})"
+        self.tokens, self.window = tokens, window
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error" if status >= 500
                                                              else "invalid_request_error"),
@@ -67,6 +81,8 @@ def _respond(request: Request, status: int, message: str, param: str | None = No
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        if isinstance(exc, PromptTooLong) and request.url.path.startswith("/v1/messages"):
+            return JSONResponse(anthropic_error_body(exc.status, exc.anthropic_message), status_code=exc.status)
         return _respond(request, exc.status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)

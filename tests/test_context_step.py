@@ -80,3 +80,25 @@ def test_a_summary_moves_the_step_to_a_thread_and_logs_each_message_once(rendere
     assert [e["type"] for e in prepared.report["applied_edits"]] == ["compact"]
     assert prepared.compaction is not None and prepared.compaction in prepared.messages
     assert log.history("o/c") == msgs                           # the inline try's sync was not repeated
+
+
+class Counting(Note):
+    def __init__(self):
+        self.calls = 0
+
+    def complete(self, messages, max_tokens):
+        self.calls += 1
+        return super().complete(messages, max_tokens)
+
+
+def test_a_retried_request_is_not_summarized_again(renderer, tmp_path):
+    """A client that retries the same request (it timed out waiting, or was refused after the
+    summary) gets the summary already written: the model writes it once."""
+    model = Counting()
+    ctx = ContextManager(Sessions(open_session_log(tmp_path / "log.db")), renderer, model)
+    msgs = conversation("agent d", 3_000)
+    policy = ContextManagement(edits=[Compact(trigger=10, keep_recent_tokens=50)])
+    first = run(ctx, "d", msgs, policy)[1]
+    again = run(ctx, "d2", msgs, policy)[1]       # the same conversation, retried (here under a new session)
+    assert model.calls == 1
+    assert first.compaction == again.compaction and first.messages == again.messages

@@ -3,10 +3,11 @@
 gives back in its own shape.
 
 In request order: the server-executed tools join the client's (before the context step, so
-triggers and token counts see what the engine gets); the session is found and the conversation
-logged before any edit, and the context policy runs (``context.manage``); then, at the first
-engine call, KV reuse tells the connector which edit happened (``kv.reuse.attach``), and the
-engine answers with server-tool rounds resolved (``engine_call``).
+triggers and token counts see what the engine gets); a system prompt and tools that fill the
+window are refused before any work (``window``); the session is found and the conversation logged
+before any edit, and the context policy runs (``context.manage``); the output limit is fitted to
+the room left; then, at the first engine call, KV reuse tells the connector which edit happened
+(``kv.reuse.attach``), and the engine answers with server-tool rounds resolved (``engine_call``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ..config import ServeConfig
 from ..engine.client import EngineClient
 from ..kv import reuse as kv_reuse
 from ..options import AgentKVFields
-from . import cache_salt, server_tools
+from . import cache_salt, server_tools, window
 from .context import EngineForm, Prepared, manage
 from .engine_call import Completion, EngineStream, Refusal, completion, open_stream
 from .server_tools import ToolRunner
@@ -39,6 +40,7 @@ class TurnInput:
     session: SessionRef                # the session it names (``sessions.session_ref``)
     policy: ContextManagement | None   # the request's edits (the server default joins in ``manage``)
     engine_form: EngineForm | None = None   # a logged message as the engine takes it (Anthropic's blocks)
+    param: str = "messages"            # the request field that holds the conversation (errors name it)
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Turn:
     runner: ToolRunner | None
     engine: EngineClient
     _kv: tuple | None   # (cfg, fields, model_path, owner) until KV reuse has been attached
+    lowered: str | None = None   # the output limit, lowered to the room the prompt leaves
 
     @property
     def session_id(self) -> str:
@@ -60,7 +63,10 @@ class Turn:
         return self.prepared.report
 
     def headers(self) -> dict[str, str]:
-        return {"X-Session-Id": self.prepared.session_id}
+        out = {"X-Session-Id": self.prepared.session_id}
+        if self.lowered:
+            out[window.HEADER] = self.lowered
+        return out
 
     def extra(self, server_tool_calls: list[dict]) -> dict[str, Any]:
         """agentkv's additions to a response: the context-management report and server tool calls."""
@@ -102,10 +108,12 @@ async def prepare_turn(state, engine: EngineClient, ctx, owner: str, turn: TurnI
     sup = state.supervisor
     on = turn.fields.server_tools if turn.fields.server_tools is not None else cfg.server_tools
     tools = server_tools.with_server_tools(turn.tools) if on else turn.tools   # reserved names: 400 before logging
+    window.check_fixed_part(ctx.renderer, turn.conversation, tools, sup.max_model_len, turn.engine_form, turn.param)
     prepared = await manage(ctx, cfg, sup.max_model_len, owner, turn.session, turn.conversation, tools,
                             turn.policy, engine_form=turn.engine_form)
     body = {**turn.body, "messages": prepared.messages}
     if tools:
         body["tools"] = tools
+    lowered = window.fit_output(body, prepared.report["prompt_tokens_after"], sup.max_model_len, turn.param)
     runner = ToolRunner(ctx.sessions.log, prepared.key, cfg.max_server_tool_rounds) if on else None
-    return Turn(prepared, body, runner, engine, (cfg, turn.fields, sup.model_path, owner))
+    return Turn(prepared, body, runner, engine, (cfg, turn.fields, sup.model_path, owner), lowered)

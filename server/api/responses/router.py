@@ -180,7 +180,8 @@ async def create_response(req: ResponsesRequest, request: Request, engine: Engin
         return JSONResponse(response, headers={"X-Session-Id": prepared.session_id})
 
     policy, owed = _policy(req, window, cfg.compact_at)
-    turn = await prepare_turn(state, engine, ctx, owner, TurnInput(conversation, tools.tools, body, req, ref, policy))
+    turn = await prepare_turn(state, engine, ctx, owner, TurnInput(conversation, tools.tools, body, req, ref, policy,
+                                                                   param="input"))
     prepared = turn.prepared
     compaction = seal_of(state).item(owner, _after_header(prepared.messages)) if owed and fired(prepared) else None
     response = _response(req, model)
