@@ -123,6 +123,8 @@ class Compact(_Edit):
     keep_recent_tokens: int = Field(20_000, ge=0, description="newest tokens kept word for word")
     user_messages_tokens: int = Field(8_000, ge=0, description="budget of user messages copied verbatim")
     summary_max_tokens: int = Field(1024, ge=16, description="length limit of the handoff note")
+    always: bool = Field(False, description="summarize even where the summary is not shorter than what it "
+                                            "replaces (compaction asked for outright)")
 
     @field_validator("trigger", mode="before")
     @classmethod

@@ -184,6 +184,6 @@ def summarize(messages: list[Message], renderer: PromptRenderer, cfg: Compact, c
                               list(notes or []), changed_files(source))
     new = messages[:head] + [summary] + messages[cut:]
     after = renderer.count(new, tools)
-    if after >= before:
+    if after >= before and not cfg.always:
         return unchanged
     return SummaryResult(new, len(old), renderer.count_text(summary["content"]), before, after, note)

@@ -24,9 +24,11 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 class APIError(Exception):
     """Raise anywhere in a route to answer with an OpenAI-style error."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 error_code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code = status, message, param, code or error_code
+        self.error_code = error_code   # Anthropic's ``error.details.error_code`` (on /v1/messages)
 
 
 class PromptTooLong(APIError):
@@ -49,9 +51,12 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "param": param, "code": code}}
 
 
-def anthropic_error_body(status: int, message: str) -> dict:
+def anthropic_error_body(status: int, message: str, error_code: str | None = None) -> dict:
     kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
+    error: dict = {"type": kind, "message": message}
+    if error_code:
+        error["details"] = {"error_code": error_code}
+    return {"type": "error", "error": error}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -64,18 +69,19 @@ def _loc_to_param(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
-def error_body_for(path: str, status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body_for(path: str, status: int, message: str, param: str | None = None, code: str | None = None,
+                   error_code: str | None = None) -> dict:
     """OpenAI's error body, or Anthropic's (``{"type": "error", "error": {...}}``) on /v1/messages."""
     if path.startswith("/v1/messages"):  # no `param` there: the message names the field
         text = message if not param or param in message else f"{param}: {message}"
-        return anthropic_error_body(status, text)
+        return anthropic_error_body(status, text, error_code)
     return error_body(status, message, param, code)
 
 
 def _respond(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
-             headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body_for(request.url.path, status, message, param, code), status_code=status,
-                        headers=headers)
+             headers: dict | None = None, error_code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body_for(request.url.path, status, message, param, code, error_code),
+                        status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -83,7 +89,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         if isinstance(exc, PromptTooLong) and request.url.path.startswith("/v1/messages"):
             return JSONResponse(anthropic_error_body(exc.status, exc.anthropic_message), status_code=exc.status)
-        return _respond(request, exc.status, exc.message, exc.param, exc.code)
+        return _respond(request, exc.status, exc.message, exc.param, exc.code, error_code=exc.error_code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -43,6 +43,7 @@ CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, session TEXT NOT NULL, parent TEXT, turn TEXT NOT NULL, response TEXT NOT NULL,
     created DOUBLE PRECISION NOT NULL
 );
+CREATE INDEX IF NOT EXISTS responses_parent ON responses (parent);
 """
 MAX_TERMS_CHARS = 256 * 1024
 SCHEMA_LOCK = 0x6167656E746B76  # "agentkv": replicas starting together create the schema once

@@ -39,6 +39,7 @@ CREATE TABLE IF NOT EXISTS responses (        -- Responses API, store: true (see
     id TEXT PRIMARY KEY, session TEXT NOT NULL, parent TEXT, turn TEXT NOT NULL, response TEXT NOT NULL,
     created REAL NOT NULL
 );
+CREATE INDEX IF NOT EXISTS responses_parent ON responses (parent);
 CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts
     USING fts5(body, call, content='messages', content_rowid='id', tokenize='unicode61');
 CREATE TRIGGER IF NOT EXISTS messages_ai AFTER INSERT ON messages BEGIN

@@ -1,21 +1,33 @@
 """Compaction on demand: the whole conversation (after its system messages) summarized into one
 message, for the requests that ask for it outright rather than by a threshold (the Responses API's
-``/v1/responses/compact`` and trailing ``compaction_trigger``)."""
+``/v1/responses/compact`` and trailing ``compaction_trigger``, Anthropic's ``compaction``)."""
 
 from __future__ import annotations
 
 from ...compaction.config import Compact
 from ...compaction.policy import ContextManagement
 from ...compaction.prompt import Message
+from ...compaction.summarize import is_summary
 from ..errors import APIError
 from .context import Prepared, manage
 from .sessions import SessionRef
 
 
-def explicit_policy(window: int) -> ContextManagement:
-    """Everything after the system messages becomes the summary (the user's messages copied into it)."""
+def explicit_policy(window: int, instructions: str | None = None) -> ContextManagement:
+    """Everything after the system messages becomes the summary (the user's messages copied into it);
+    ``instructions`` replace the summary prompt."""
     return ContextManagement(edits=[Compact(trigger=0, keep_recent_tokens=0, user_messages_tokens=window // 20,
-                                            summary_max_tokens=max(16, min(1024, window // 8)))])
+                                            summary_max_tokens=max(16, min(1024, window // 8)),
+                                            instructions=instructions, always=True)])
+
+
+def summary_of(prepared: Prepared) -> Message | None:
+    """The summary the conversation now stands on: the one written in this request, else the one its
+    view already held (the same conversation compacted again, with nothing new since)."""
+    if prepared.compaction is not None:
+        return prepared.compaction
+    rest = [m for m in prepared.messages if m.get("role") not in ("system", "developer")]
+    return rest[0] if len(rest) == 1 and is_summary(rest[0]) else None
 
 
 def fired(prepared: Prepared) -> dict | None:
@@ -24,11 +36,12 @@ def fired(prepared: Prepared) -> dict | None:
 
 
 async def compact_now(state, ctx, owner: str, ref: SessionRef, conversation: list[Message],
-                      tools: list | None) -> Prepared:
+                      tools: list | None, instructions: str | None = None, engine_form=None) -> Prepared:
     """The conversation, logged, with its summary written; a summary that could not be written
     is a 503 (``compaction_failed``): the client asked for it and gets no silent no-op."""
     window = state.supervisor.max_model_len
-    prepared = await manage(ctx, state.cfg, window, owner, ref, conversation, tools, explicit_policy(window))
+    prepared = await manage(ctx, state.cfg, window, owner, ref, conversation, tools,
+                            explicit_policy(window, instructions), engine_form=engine_form)
     if prepared.report.get("failed_edits"):
         raise APIError(503, f"the summary could not be written: {prepared.report['failed_edits'][0]['error']}",
                        code="compaction_failed")

@@ -104,6 +104,30 @@ class CompactionSeal:
         return {"id": f"cmp_{uuid.uuid4().hex}", "type": "compaction",
                 "encrypted_content": f"{VERSION}.{payload}.{self._tag(payload)}"}
 
+    def sign_text(self, owner: str, text: str) -> str:
+        """The ``signature`` of an Anthropic ``compaction`` block holding ``text`` (compaction on
+        demand): the same sealed form, recording the owner and the text's digest."""
+        payload = _b64(json.dumps({"owner": owner, "sha256": hashlib.sha256(text.encode()).hexdigest()},
+                                  separators=(",", ":")).encode())
+        return f"{VERSION}.{payload}.{self._tag(payload)}"
+
+    def check_text(self, owner: str, text: str | None, signature: str) -> str | None:
+        """None if ``signature`` was made here, for ``owner``, over ``text``; else Anthropic's error
+        code: ``compaction_signature_invalid`` (altered, forged, another key's) or
+        ``compaction_content_mismatch`` (a genuine signature, other text)."""
+        parts = signature.split(".") if isinstance(signature, str) else []
+        if len(parts) != 3 or parts[0] != VERSION or not hmac.compare_digest(parts[2], self._tag(parts[1])):
+            return "compaction_signature_invalid"
+        try:
+            data = json.loads(_unb64(parts[1]))
+        except (ValueError, binascii.Error):
+            return "compaction_signature_invalid"
+        if not isinstance(data, dict) or data.get("owner") != owner:
+            return "compaction_signature_invalid"
+        if data.get("sha256") != hashlib.sha256((text or "").encode()).hexdigest():
+            return "compaction_content_mismatch"
+        return None
+
     def open(self, owner: str, item: dict, where: str) -> list[Message]:
         """The messages an item stands for; 400 naming ``where.encrypted_content`` when the item
         was not made by this server for this caller, or was altered."""

@@ -45,13 +45,13 @@ FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "image": {"source": ((dict,), True)},
     "document": {"source": ((dict,), True), "title": ((str,), False), "context": ((str,), False)},
     "search_result": {"content": ((list,), True), "title": ((str,), False), "source": ((str,), False)},
-    "compaction": {"content": ((str, type(None)), False)},
+    "compaction": {"content": ((str, type(None)), False), "signature": ((str,), False)},
 }
 # request fields this module maps (or knowingly ignores), never passed on to vLLM; any other field
 # passes through (vLLM's own sampling extensions: seed, repetition_penalty, structured_outputs, ...)
 MAPPED = {"model", "messages", "system", "max_tokens", "stream", "tools", "tool_choice", "stop_sequences",
           "temperature", "top_p", "top_k", "metadata", "thinking", "output_config", "service_tier",
-          "container", "mcp_servers", *AGENTKV_FIELDS}
+          "container", "mcp_servers", "thread", "compaction", *AGENTKV_FIELDS}
 
 
 def _whole(block: dict) -> dict:

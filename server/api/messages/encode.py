@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -60,7 +60,7 @@ def _tool_input(arguments: str | None) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def message(payload: dict, compaction: dict | None, extra: dict) -> dict:
+def message(payload: dict, compaction: dict | None, extra: dict, message_id_: str | None = None) -> dict:
     """The JSON response for an engine chat completion."""
     choice = payload["choices"][0]
     msg = choice.get("message") or {}
@@ -76,7 +76,7 @@ def message(payload: dict, compaction: dict | None, extra: dict) -> dict:
     if len(content) == (1 if compaction else 0):
         content.append({"type": "text", "text": ""})
     reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), bool(calls))
-    return {"id": message_id(), "type": "message", "role": "assistant", "model": payload.get("model"),
+    return {"id": message_id_ or message_id(), "type": "message", "role": "assistant", "model": payload.get("model"),
             "content": content, "stop_reason": reason, "stop_sequence": sequence,
             "usage": usage(payload.get("usage")), **extra}
 
@@ -97,8 +97,11 @@ class EventStream:
     """The events of one streamed message. Blocks never interleave: a new kind of delta closes the
     open block and starts the next."""
 
-    def __init__(self, model: str, input_tokens: int):
+    def __init__(self, model: str, input_tokens: int, id_: str | None = None):
         self.model, self.input_tokens = model, input_tokens
+        self.id = id_ or message_id()
+        self.blocks: list[dict] = []    # the message's content as the events build it (``content()``)
+        self.stop: str | None = None    # the stop reason, once the message is finished
         self.index = -1                 # index of the open (or last) block
         self.open: str | None = None    # its kind: text | thinking | tool_use
         self.tool: int | None = None    # the OpenAI tool-call index it streams
@@ -109,7 +112,7 @@ class EventStream:
 
     def start(self) -> bytes:
         return sse("message_start", {"type": "message_start", "message": {
-            "id": message_id(), "type": "message", "role": "assistant", "model": self.model, "content": [],
+            "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
             "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}})
 
@@ -117,6 +120,7 @@ class EventStream:
         out = self._close()
         self.index += 1
         self.open = block["type"]
+        self.blocks.append(json.loads(json.dumps(block)))
         return out + [sse("content_block_start", {"type": "content_block_start", "index": self.index,
                                                   "content_block": block})]
 
@@ -130,7 +134,26 @@ class EventStream:
         return out + [sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
     def _delta(self, delta: dict) -> bytes:
+        block, kind = self.blocks[self.index], delta["type"]
+        if kind == "text_delta":
+            block["text"] += delta["text"]
+        elif kind == "thinking_delta":
+            block["thinking"] += delta["thinking"]
+        elif kind == "input_json_delta":
+            block["_json"] = block.get("_json", "") + delta["partial_json"]
+        elif kind == "compaction_delta":
+            block["content"] = delta["content"]
         return sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def content(self) -> list[dict]:
+        """The content blocks of the message streamed so far, as the JSON response would hold them."""
+        out = []
+        for block in self.blocks:
+            block = dict(block)
+            if block["type"] == "tool_use":
+                block["input"] = _tool_input(block.pop("_json", ""))
+            out.append(block)
+        return out
 
     def compaction(self, summary: dict) -> list[bytes]:
         out = self._begin({"type": "compaction", "content": None})
@@ -172,6 +195,7 @@ class EventStream:
         if not self.model_blocks and reason is None:
             out += self._begin({"type": "text", "text": ""}) + self._close()
         stop, sequence = (reason, None) if reason else stop_reason(self.finish, self.matched, self.used_tool)
+        self.stop = stop
         out.append(sse("message_delta", {"type": "message_delta",
                                          "delta": {"stop_reason": stop, "stop_sequence": sequence},
                                          "usage": usage(engine_usage) if engine_usage else {"output_tokens": 0},
@@ -206,37 +230,53 @@ def paused(turn: Turn, model: str, compaction: dict, stream: bool) -> Response:
                         headers=turn.headers())
 
 
-async def complete(turn: Turn, model: str, compaction: dict | None) -> Response:
+Done = Callable[[str, "list[dict] | None", "str | None"], Awaitable[None]]   # (message id, content, stop reason)
+
+
+async def complete(turn: Turn, model: str, compaction: dict | None, done: Done | None = None) -> Response:
     out = await turn.complete()
     if isinstance(out, Refusal):
+        if done:
+            await done("", None, None)
         return refusal(out, turn)
-    return JSONResponse(message(out.payload, compaction, turn.extra(out.server_tool_calls)), headers=turn.headers())
+    body = message(out.payload, compaction, turn.extra(out.server_tool_calls))
+    if done:
+        await done(body["id"], body["content"], body["stop_reason"])
+    return JSONResponse(body, headers=turn.headers())
 
 
-async def stream(turn: Turn, model: str, compaction: dict | None) -> Response:
+async def stream(turn: Turn, model: str, compaction: dict | None, done: Done | None = None) -> Response:
     es = await turn.stream()
     if isinstance(es, Refusal):
+        if done:
+            await done("", None, None)
         return refusal(es, turn)
     enc = EventStream(model, turn.report["prompt_tokens_after"])
 
     async def events() -> AsyncIterator[bytes]:
-        yield enc.start()
-        if compaction:
-            for event in enc.compaction(compaction):
-                yield event
-        async for chunk in es.chunks():
-            if "error" in chunk and not chunk.get("choices"):  # the engine reported an error in-stream
-                yield error_event(chunk)
+        finished = None
+        try:
+            yield enc.start()
+            if compaction:
+                for event in enc.compaction(compaction):
+                    yield event
+            async for chunk in es.chunks():
+                if "error" in chunk and not chunk.get("choices"):  # the engine reported an error in-stream
+                    yield error_event(chunk)
+                    return
+                out = enc.chunk(chunk)
+                if out:  # one write for the events of one engine chunk
+                    yield b"".join(out)
+            if es.error is not None:
+                yield error_event(es.error)
                 return
-            out = enc.chunk(chunk)
-            if out:  # one write for the events of one engine chunk
-                yield b"".join(out)
-        if es.error is not None:
-            yield error_event(es.error)
-            return
-        observe_usage(es.usage)
-        for event in enc.finish_events(es.usage, turn.extra(es.server_tool_calls)):
-            yield event
+            observe_usage(es.usage)
+            for event in enc.finish_events(es.usage, turn.extra(es.server_tool_calls)):
+                yield event
+            finished = enc.stop
+        finally:
+            if done:
+                await done(enc.id, enc.content() if finished else None, finished)
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={**turn.headers(), "Cache-Control": "no-cache"})

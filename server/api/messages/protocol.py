@@ -3,7 +3,7 @@ sampling extensions pass on), but for the engine fields only the server sets (``
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,8 +39,35 @@ class _Conversation(BaseModel):
     context_management: ContextManagement | None = None
 
 
+class ThreadCreate(BaseModel):
+    """``thread: {"type": "create"}``: keep this conversation, its system prompt and tools, under the
+    response's id (beta ``message-threads-2026-08-12``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["create"]
+
+
+class ThreadContinue(BaseModel):
+    """``thread: {"type": "continue", "previous_message_id"}``: the messages sent follow that response."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["continue"]
+    previous_message_id: str = Field(..., min_length=1, max_length=128)
+
+
+class CompactionOnDemand(BaseModel):
+    """``compaction: {"type": "summarize", "instructions"?}``: answer with the conversation as one signed
+    ``compaction`` block instead of a reply (beta ``compact-2026-09-04``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["summarize"]
+    instructions: str | None = Field(None, min_length=1)
+
+
 class MessagesRequest(_Conversation, AgentKVFields):
     model_config = ConfigDict(extra="allow")
     max_tokens: int = Field(..., ge=1)
     stop_sequences: list[str] | None = None
     stream: bool = False
+    thread: Annotated[ThreadCreate | ThreadContinue, Field(discriminator="type")] | None = None
+    compaction: CompactionOnDemand | None = None

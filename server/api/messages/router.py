@@ -18,7 +18,8 @@ from fastapi.responses import Response
 from ...options import require_utf8
 from ...pipeline.turn import TurnInput, prepare_turn, session_of
 from ..deps import ContextDep, EngineDep, OwnerDep
-from . import encode
+from . import compaction as on_demand
+from . import encode, threads
 from .convert import chat_request, conversation, engine_message, tools_to_openai
 from .protocol import MessagesRequest, _Conversation
 
@@ -47,16 +48,35 @@ def _conversation(request: Request, body: dict) -> tuple[list, list | None]:
 @router.post("/messages")
 async def messages(req: MessagesRequest, request: Request, engine: EngineDep, owner: OwnerDep,
                    ctx: ContextDep) -> Response:
+    state = request.app.state
     body = require_utf8(req.model_dump(exclude_unset=True))
+    thread = await threads.resume(state.sessions.log, owner, body)     # a continue: the body made whole
+    on_demand.check_blocks(state.compaction_seal, owner, body["messages"])
+    if req.compaction is not None:
+        on_demand.check_request(body)
     conv, tools = _conversation(request, body)
-    model = req.model or request.app.state.cfg.model_name
-    turn = await prepare_turn(request.app.state, engine, ctx, owner, TurnInput(
-        conv, tools, chat_request(body, model), req, session_of(request.headers, req, body),
-        req.context_management, engine_message))
-    compaction = encode.compaction_of(turn.prepared)
-    if compaction and turn.prepared.compact_edit.pause_after_compaction:
-        return encode.paused(turn, model, compaction, req.stream)
-    return await (encode.stream if req.stream else encode.complete)(turn, model, compaction)
+    model = req.model or state.cfg.model_name
+    session = thread.session if thread and thread.session else session_of(request.headers, req, body)
+    if req.compaction is not None:
+        prepared, block = await on_demand.summarize(state, ctx, owner, session, conv, tools, req.compaction.instructions,
+                                                    engine_message)
+        return on_demand.respond(model, prepared, block, req.stream, {"X-Session-Id": prepared.session_id})
+    held = threads.claim(state.sessions.log, thread)
+    try:
+        turn = await prepare_turn(state, engine, ctx, owner, TurnInput(
+            conv, tools, chat_request(body, model), req, session, req.context_management, engine_message))
+        compaction = encode.compaction_of(turn.prepared)
+        if compaction and turn.prepared.compact_edit.pause_after_compaction:
+            held and held.release()
+            return encode.paused(turn, model, compaction, req.stream)
+        if held:
+            held.session_key = turn.prepared.key
+        return await (encode.stream if req.stream else encode.complete)(turn, model, compaction,
+                                                                        held.done if held else None)
+    except BaseException:
+        if held:
+            held.release()
+        raise
 
 
 @router.post("/messages/count_tokens")

@@ -1,0 +1,114 @@
+"""Anthropic message threads (beta ``message-threads-2026-08-12``), kept in the session log.
+
+``thread: {"type": "create"}`` with the whole conversation: the conversation (as the client sent it,
+plus the reply, in Anthropic's form), its ``system`` and ``tools`` are stored under the response's
+``id``. ``thread: {"type": "continue", "previous_message_id"}`` with only the new messages: the
+conversation is rebuilt from the stored chain (the session log database: the saved re-send) and the
+request runs as if the client had sent it whole. As Anthropic documents: a thread expires 5 minutes
+after its last response (``thread_not_found``, 404: the client replays with ``create``); a response
+is continued once (``thread_already_continued``) and by one request at a time
+(``thread_continue_in_flight``); ``system`` and ``tools`` come from the thread, and a continue that
+sends other ones is refused (``thread_fingerprint_mismatch``). A thread belongs to the API key that
+made it: any other key gets the same 404 as for an id that does not exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import APIError
+from ...pipeline.sessions import SessionRef
+
+TTL_S = 300.0
+KIND = "message_thread"
+MESSAGE_ID = re.compile(r"msg_[0-9a-f]{32}")
+_in_flight: set[str] = set()   # previous_message_ids being continued now (this process)
+
+
+@dataclass
+class Thread:
+    """A request's thread: what it continues (``parent``) and the messages it adds."""
+
+    parent: str | None
+    new_messages: list[dict]
+    system: Any = None
+    tools: Any = None
+    session: SessionRef | None = None        # the thread's session, for a continue
+    stored: list[dict] = field(default_factory=list)
+
+
+def _not_found(previous: str) -> APIError:
+    return APIError(404, f"no usable thread state for previous_message_id {previous!r} (unknown, expired after "
+                         f"{TTL_S:.0f} s, or another key's): replay the whole conversation with "
+                         "thread: {\"type\": \"create\"}", param="thread.previous_message_id",
+                    error_code="thread_not_found")
+
+
+async def resume(log, owner: str, body: dict) -> Thread | None:
+    """The request's thread, its body completed from the stored one for a continue (messages,
+    system, tools); None without ``thread``."""
+    thread = body.get("thread")
+    if not thread:
+        return None
+    if thread["type"] == "create":
+        return Thread(None, list(body["messages"]), body.get("system"), body.get("tools"))
+    previous = thread["previous_message_id"]
+    status = await asyncio.to_thread(log.response_status, previous) if MESSAGE_ID.fullmatch(previous) else None
+    if status is None or not status[0].startswith(f"{owner}/"):
+        raise _not_found(previous)
+    key, created, continued = status
+    stored = (await asyncio.to_thread(log.get_response, previous))[1]
+    if stored.get("kind") != KIND or time.time() - created > TTL_S:
+        raise _not_found(previous)
+    if continued:
+        raise APIError(400, f"the response {previous} has already been continued; continue from the thread's "
+                            "latest response", param="thread.previous_message_id", error_code="thread_already_continued")
+    if previous in _in_flight:
+        raise APIError(400, f"another request is continuing from {previous}; wait for its response",
+                       param="thread.previous_message_id", error_code="thread_continue_in_flight")
+    differ = [f for f in ("system", "tools") if body.get(f) is not None and body[f] != stored.get(f)]
+    if differ:
+        raise APIError(400, f"{' and '.join(differ)} differ from the thread's: a continue takes them from the thread "
+                            "(leave them out, or replay with thread: {\"type\": \"create\"} to change them)",
+                       param=differ[0], error_code="thread_fingerprint_mismatch")
+    history = await asyncio.to_thread(log.response_conversation, previous)
+    new = list(body["messages"])
+    body.update(messages=history + new, system=stored.get("system"), tools=stored.get("tools"))
+    for name in ("system", "tools"):
+        if body[name] is None:
+            body.pop(name)
+    return Thread(previous, new, stored.get("system"), stored.get("tools"), SessionRef(key.split("/", 1)[1], "thread"))
+
+
+class Claim:
+    """A thread request in progress: while it runs, no other request continues from the same
+    response; ``done`` stores its finished response (or only lets go, for one that failed)."""
+
+    def __init__(self, log, thread: Thread):
+        self.log, self.thread, self.session_key = log, thread, ""
+        self._open = True
+        if thread.parent is not None:
+            _in_flight.add(thread.parent)
+
+    def release(self) -> None:
+        if self._open and self.thread.parent is not None:
+            _in_flight.discard(self.thread.parent)
+        self._open = False
+
+    async def done(self, message_id: str, content: list[dict] | None, stop_reason: str | None) -> None:
+        """Store the response (its new messages and the reply) under its id; nothing for a failed one."""
+        try:
+            if self._open and content is not None and stop_reason is not None:
+                turn = self.thread.new_messages + [{"role": "assistant", "content": content}]
+                await asyncio.to_thread(self.log.put_response, message_id, self.session_key, self.thread.parent, turn,
+                                        {"kind": KIND, "system": self.thread.system, "tools": self.thread.tools})
+        finally:
+            self.release()
+
+
+def claim(log, thread: Thread | None) -> Claim | None:
+    return None if thread is None else Claim(log, thread)
