@@ -34,7 +34,8 @@ RESULT_CHARS = 600
 
 
 class ModelClient(Protocol):
-    """What summarization needs from a model: one chat completion, text out."""
+    """What summarization needs from a model: one chat completion, text out (a client may also take
+    a ``cache_salt`` keyword: the prefix-cache namespace of the request)."""
 
     def complete(self, messages: list[Message], max_tokens: int) -> str: ...
 
@@ -45,9 +46,10 @@ class OpenAIModelClient:
     def __init__(self, client, model: str):
         self.client, self.model = client, model
 
-    def complete(self, messages: list[Message], max_tokens: int) -> str:
-        r = self.client.chat.completions.create(model=self.model, messages=messages,
-                                                max_tokens=max_tokens, temperature=0)
+    def complete(self, messages: list[Message], max_tokens: int, cache_salt: str | None = None) -> str:
+        r = self.client.chat.completions.create(model=self.model, messages=messages, max_tokens=max_tokens,
+                                                temperature=0,
+                                                extra_body={"cache_salt": cache_salt} if cache_salt else None)
         return r.choices[0].message.content or ""
 
 

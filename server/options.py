@@ -33,7 +33,7 @@ class KVBlend(BaseModel):
     fraction: float | None = Field(None, ge=0, le=1)
 
 
-SERVER_ONLY: tuple[str, ...] = ("kv_transfer_params", "vllm_xargs")
+SERVER_ONLY: tuple[str, ...] = ("kv_transfer_params", "vllm_xargs", "ec_transfer_params")
 
 
 class EngineBound(BaseModel):
@@ -43,6 +43,7 @@ class EngineBound(BaseModel):
 
     kv_transfer_params: Any = Field(None, exclude=True)
     vllm_xargs: Any = Field(None, exclude=True)
+    ec_transfer_params: Any = Field(None, exclude=True)
     cache_salt: str | None = Field(None, min_length=1, max_length=256, exclude=True)
 
     @field_validator(*SERVER_ONLY, mode="before")

@@ -94,8 +94,9 @@ def test_conversations_under_one_explicit_id_are_branches(log_target):
     ref = SessionRef("cc-1", "x-claude-code-session-id")
     main, sub = conv("hello", "fix the build"), conv("hello", "you are a subagent: grep")
     first = sessions.sync("o", ref, main)
-    with sessions.open("o", ref, main) as s:          # an edit in force on the main branch
-        s.state.replaced[1] = {"role": "user", "content": "[cleared]"}
+    edited = first.state.copy()                         # an edit in force on the main branch
+    edited.replaced[1] = {"role": "user", "content": "[cleared]"}
+    assert sessions.save(first, edited)
     for turn in range(4):
         main = main + [{"role": "assistant", "content": f"main {turn}"}, {"role": "user", "content": f"go {turn}"}]
         sub = sub + [{"role": "assistant", "content": f"sub {turn}"}, {"role": "user", "content": f"more {turn}"}]
@@ -104,8 +105,10 @@ def test_conversations_under_one_explicit_id_are_branches(log_target):
         assert m.branch == first.branch and b.branch != m.branch
         assert m.state.replaced == {1: {"role": "user", "content": "[cleared]"}}   # the edit survives the switches
         assert b.state.replaced == m.state.replaced      # inherited: it was made before the branches diverged
-    with sessions.open("o", ref, sub) as s:             # an edit on the subagent's branch only
-        s.state.replaced[4] = {"role": "assistant", "content": "[sub edit]"}
+    s = sessions.sync("o", ref, sub)                    # an edit on the subagent's branch only
+    edited = s.state.copy()
+    edited.replaced[4] = {"role": "assistant", "content": "[sub edit]"}
+    assert sessions.save(s, edited)
     assert 4 not in sessions.sync("o", ref, main).state.replaced
     assert 4 in sessions.sync("o", ref, sub).state.replaced
     logged = sessions.log.history(first.key)
@@ -113,37 +116,26 @@ def test_conversations_under_one_explicit_id_are_branches(log_target):
     assert logged[:len(conv("hello", "fix the build"))] == conv("hello", "fix the build")
 
 
-def test_view_state_is_saved_with_the_log_in_one_transaction(log_target):
-    """An edit saved by a request that synced an older conversation can no longer overwrite a newer
-    request's sync (on c095b51 the edit was saved afterwards, outside the transaction: the newer
-    keys were lost and the next request logged its messages a second time)."""
+def test_an_edit_is_saved_only_onto_the_state_it_was_made_on(log_target):
+    """A request whose edits were made on a state another request has since saved (a newer turn of
+    the same session) does not overwrite it: its save is refused and it runs again (on c095b51 the
+    edit was saved over the newer keys, and the next request logged its messages a second time)."""
     log = open_session_log(log_target)
     sessions = Sessions(log)
     ref = SessionRef("s", "x-session-id")
     short, longer = conv("go", "a"), conv("go", "a", "b")
-    started, go_on = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
-
-    def slow_edit():
-        try:
-            with sessions.open("o", ref, short) as s:
-                started.set()
-                go_on.wait(5)                              # a newer request arrives meanwhile
-                s.state.replaced[1] = {"role": "user", "content": "[edit]"}
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    t = threading.Thread(target=slow_edit)
-    t.start()
-    started.wait(5)
-    newer = threading.Thread(target=lambda: sessions.sync("o", ref, longer))
-    newer.start()
-    go_on.set()
-    t.join(10)
-    newer.join(10)
-    assert not errors
+    slow = sessions.sync("o", ref, short)                 # request A synced ...
+    sessions.sync("o", ref, longer)                        # ... request B, newer, synced meanwhile
+    edited = slow.state.copy()
+    edited.replaced[1] = {"role": "user", "content": "[edit]"}
+    assert not sessions.save(slow, edited)                 # A's edit would overwrite B's keys: refused
+    again = sessions.sync("o", ref, short)                 # A runs again, on the newest state
+    assert sessions.save(again, again.state.copy())
     sessions.sync("o", ref, longer + [{"role": "assistant", "content": "c"}])
     assert log.history("o/s") == longer + [{"role": "assistant", "content": "c"}]   # every message once
+    # a retried request that changes nothing writes nothing: its save still fits
+    same = sessions.sync("o", ref, longer + [{"role": "assistant", "content": "c"}])
+    assert sessions.sync("o", ref, longer + [{"role": "assistant", "content": "c"}]).state.version == same.state.version
 
 
 def test_concurrent_requests_on_one_session_append_each_message_once(log_target):
@@ -192,3 +184,25 @@ def test_forks_found_by_key_range_not_a_scan(log_target):
             plan = log.conn.execute("EXPLAIN QUERY PLAN " + log.FORKS_SQL, ("o/ab", "o/ab/")).fetchall()
             assert "USING INDEX" in str(plan) and "session>? AND session<?" in str(plan), plan
     log.close()
+
+
+def test_a_branch_shares_the_longest_prefix_and_the_log_gets_no_message_twice(log_target):
+    sessions = Sessions(open_session_log(log_target))
+    ref = SessionRef("x", "x-session-id")
+    full = conv("go", "step")                                    # [s, u, a0, u1]
+    sessions.sync("o", ref, full)
+    sessions.sync("o", ref, full[:2])                            # a retry of the first turn: a branch
+    other = full[:3] + [{"role": "user", "content": "another step"}]
+    sessions.sync("o", ref, other)                               # shares 3 with the first branch
+    assert sessions.log.history("o/x") == full + other[3:]       # "reply 0" once
+
+
+def test_a_conversation_without_an_id_never_lands_in_an_explicit_branch(log_target):
+    """A client that sends its derived id back explicitly makes branches under it; a request without
+    an id still finds only the forks themselves."""
+    sessions = Sessions(open_session_log(log_target))
+    a = conv("hi", "one")
+    fork = sessions.sync("o", SessionRef(None), a)
+    sessions.sync("o", SessionRef(fork.id, "x-session-id"), conv("hi", "two"))      # a branch "<fork>#1"
+    again = sessions.sync("o", SessionRef(None), conv("hi", "two") + [{"role": "assistant", "content": "x"}])
+    assert "#" not in again.key and again.key != fork.key

@@ -41,8 +41,9 @@ class SessionLog(ABC):
     """Thread-safe; one connection per process. Appends are one transaction each (all or nothing).
     SQL is written once with ``?`` placeholders and upserts/RETURNING both backends accept."""
 
-    # a session's view and its forks' (``session.N``): one key range of the primary key, so the
-    # lookup costs the same with 10 or 10 million sessions stored (byte order: SQLite's BINARY)
+    # a session's view and its forks' or branches' (``session.<token>``, ``session#N``): one key range
+    # of the primary key, so the lookup costs the same with 10 or 10 million sessions stored (byte
+    # order: SQLite's BINARY)
     FORKS_SQL = "SELECT session, state FROM views WHERE session >= ? AND session < ?"
     # every call is local (no network, no other server to wait on): the request path may make
     # short ones on its event loop
@@ -79,14 +80,10 @@ class SessionLog(ABC):
     def count(self, session: str) -> int:
         return self._execute("SELECT COUNT(*) FROM messages WHERE session=?", (session,))[0][0]
 
-    def append(self, session: str, messages: list[Message], state: dict | None = None) -> list[int]:
-        """Append ``messages`` to the end of ``session``; return their ids. ``state``: the session's
-        view state, written in the same transaction (a crash leaves both or neither)."""
+    def append(self, session: str, messages: list[Message]) -> list[int]:
+        """Append ``messages`` to the end of ``session``; return their ids (one transaction)."""
         with self.transaction(session) as tx:
-            ids = tx.append(session, messages)
-            if state is not None:
-                tx.put_state(session, state)
-        return ids
+            return tx.append(session, messages)
 
     @contextmanager
     def transaction(self, lock: str) -> Iterator[LogTransaction]:
@@ -200,6 +197,10 @@ class LogTransaction:
 
     def append(self, session: str, messages: list[Message]) -> list[int]:
         return self._log._append(self._run, session, messages) if messages else []
+
+    def lock(self, name: str) -> None:
+        """Also hold ``name``'s lock until the transaction ends."""
+        self._log._lock_session(self._run, name)
 
     def put_state(self, session: str, state: dict) -> None:
         self._run(PUT_STATE, (session, json.dumps(state)))

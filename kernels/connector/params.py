@@ -10,7 +10,7 @@ imports vLLM's connector classes or torch through it).
   - ``session``: when this request finishes, hold its prompt blocks as this session's prompt; when
     it is scheduled, the session's older entries are given back;
   - ``prime``: hold it as the session's priming prompt instead, give nothing back; the answer is a
-    ``Primed`` (block size, tokens of the session's prompt held);
+    ``Primed`` (block size, tokens of the session's prompt held: 0 when that is not ``held``);
   - ``spans``: ``[[start, end, replacement], ...]``: the edit between the session's held prompt and
     this one (positions of the held prompt); the connector claims what it can supply after vLLM's
     own prefix hit, up to ``limit`` (a position of this prompt) when given;
@@ -107,10 +107,12 @@ class Params:
         try:
             spans = tuple((int(s), int(e), int(n)) for s, e, n in raw.get("spans") or ())
             limit, held = raw.get("limit"), raw.get("held")
+            if held is not None and (not isinstance(held, (list, tuple)) or len(held) != 2):
+                raise ValueError(f"held must be [tokens, digest], not {held!r:.60}")
             return cls(str(raw["session"]), bool(raw.get("prime", False)), spans,
                        None if limit is None else int(limit), bool(raw.get("pass", False)),
                        None if held is None else (int(held[0]), str(held[1])))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (LookupError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed agentkv kv_transfer_params: {exc!r}") from None
 
 

@@ -201,7 +201,8 @@ class ReuseScheduler:
         outcome = self.outcomes.pop(request.request_id, None)
         if p is not None and p.prime and self.held is not None:   # what the front's blend plans need
             entry = self.held.get(p.session, PROMPT)
-            return Primed(self.block_size, 0 if entry is None else len(entry.token_ids)).to_wire()
+            usable = entry is not None and (p.held is None or p.held == entry.identity)
+            return Primed(self.block_size, len(entry.token_ids) if usable else 0).to_wire()
         if outcome is None:
             return None
         if outcome.fallback:

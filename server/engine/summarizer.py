@@ -43,5 +43,5 @@ class EngineModelClient:
                 self._engine = engine
             return self._client
 
-    def complete(self, messages: list[Message], max_tokens: int) -> str:
-        return self._current().complete(messages, max_tokens)
+    def complete(self, messages: list[Message], max_tokens: int, cache_salt: str | None = None) -> str:
+        return self._current().complete(messages, max_tokens, cache_salt)

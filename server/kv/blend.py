@@ -8,7 +8,7 @@ the top ones are recomputed:
 - ``tail``: the last blocks;
 - ``cuts`` (EPIC-like): the first blocks after each cut, round robin over the cuts;
 - ``deviation`` (CacheBlend-like): the blocks whose early-layer K/V moved most, measured by a
-  probe (``kv_probe``) that runs the model's layer 0 and layer 1's K/V projections on the old, the
+  probe (``kv.probe``) that runs the model's layer 0 and layer 1's K/V projections on the old, the
   priming and the new prompt.
 
 vLLM's connector API supplies one contiguous range right after the prefix hit and vLLM computes

@@ -20,7 +20,7 @@ import numpy as np
 
 from .blend import Splice
 
-log = logging.getLogger("agentkv.kv_probe")
+log = logging.getLogger("agentkv.kv.probe")
 LAYER = 1
 _lock = threading.Lock()   # one probe at a time: it uses every core the front has
 

@@ -58,13 +58,13 @@ async def attach(cfg, engine, body: dict, prepared, mode: KVMode | None, blend: 
     server's; ``model_path``: the served model (the deviation probe loads its first layers).
     Records the edit in the report.
 
-    Salts: a request whose prompt may hold moved K/V (the connector on, ``shift``/``blend``, and
-    clearing edits in force in its branch's view) takes the branch's approximate salt, every other
-    request the exact one; the priming request is computed by vLLM (exact), blend's passes read
-    moved K/V (approximate)."""
+    Salts: a request whose prompt may hold moved K/V (the connector on, ``shift``/``blend``, and a
+    shift/blend edit made in its branch, by it or before it) takes the branch's approximate salt,
+    every other request the exact one; the priming request reads the branch's cache as it was
+    before this request (exact until its first moved edit), blend's passes read moved K/V."""
     mode = mode or cfg.kv_reuse
     shifting = cfg.kv_connector and mode != "recompute"
-    body["cache_salt"] = salts.approximate if shifting and prepared.view_edited else salts.exact
+    body["cache_salt"] = salts.approximate if shifting and prepared.moved else salts.exact
     if not cfg.kv_connector:
         if mode != "recompute" and prepared.edits:
             log.warning("kv_reuse %s asked (session %s), but this server runs without the KV connector "
@@ -84,8 +84,8 @@ async def attach(cfg, engine, body: dict, prepared, mode: KVMode | None, blend: 
         primed = None
         if reps or mode == "blend":   # blend plans with what the priming response says
             prime = {"model": body["model"], "prompt": prepared.old_ids[:edits[0].start] + reps, "max_tokens": 1,
-                     "kv_transfer_params": Params(params.session, prime=True).to_wire(),
-                     "cache_salt": salts.exact}   # computed by vLLM; its prefix is an exact cache hit
+                     "kv_transfer_params": Params(params.session, prime=True, held=prepared.held).to_wire(),
+                     "cache_salt": salts.approximate if prepared.moved_before else salts.exact}
             status, payload = await engine.post_json("/v1/completions", prime)
             if status != 200:   # the connector then finds no priming prompt and says so
                 log.warning("session %s: priming request answered %s", prepared.session_id, status)

@@ -20,6 +20,7 @@ import json
 import os
 import secrets
 import tempfile
+import time
 import uuid
 import zlib
 from pathlib import Path
@@ -70,7 +71,7 @@ def load_key(home: Path | None = None, path: Path | str | None = None) -> bytes:
 
 def _load(path: Path) -> bytes:
     if path.exists():
-        return _parse_key(path.read_bytes(), path)
+        return _read(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     key = secrets.token_bytes(32)
     fd, tmp = tempfile.mkstemp(prefix=".compaction-key-", dir=path.parent)   # mode 0600
@@ -82,10 +83,45 @@ def _load(path: Path) -> bytes:
         try:
             os.link(tmp, path)
         except FileExistsError:
-            return _parse_key(path.read_bytes(), path)
+            return _read(path)
+        except OSError:   # a file system without hard links: created exclusively, written at once
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                return _read(path)
+            with os.fdopen(fd, "wb") as f:
+                f.write(key)
+                f.flush()
+                os.fsync(f.fileno())
     finally:
         os.unlink(tmp)
+    _sync_dir(path.parent)
     return key
+
+
+def _read(path: Path) -> bytes:
+    """The key in ``path``; one being written by another process right now (the exclusive-create
+    fallback) is read again for up to a second."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        raw = path.read_bytes()
+        if raw or time.monotonic() > deadline:
+            return _parse_key(raw, path)
+        time.sleep(0.02)
+
+
+def _sync_dir(folder: Path) -> None:
+    """The key's name, durable (the file's bytes are already)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class CompactionSeal:

@@ -1,12 +1,13 @@
 """Applies a context policy to a session's conversation: the request path's compaction step.
 
-Order per request, in one transaction of the session log: sync the conversation into the log
-(before any edit, as the client sent it), rebuild the view from the edits in force, drop what a
-client-sent compaction block replaces, put every message in the form the engine takes
-(``engine_form``, given by the API's format module), run the policy's edits on that view, and save
-what fired with the log. A summary the policy needs is written first, outside the transaction (it
-takes the model seconds), and read inside it (``summaries``); the transaction then commits the sync
-alone, so the log never waits for a summary.
+Order per request: sync the conversation into the session log (before any edit, as the client sent
+it; one short transaction), rebuild the view from the edits in force, drop what a client-sent
+compaction block replaces, put every message in the form the engine takes (``engine_form``, given
+by the API's format module), run the policy's edits on that view, and save what fired onto the
+state the edits were made on (a second short transaction: if another request saved the branch in
+between, the step runs again on the newer state). No edit runs while the log is held. A summary
+the policy needs is written by the model between two runs of the step and read by the next one
+(``summaries``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class Prepared:
     compact_edit: Compact | None = None  # ... and that edit
     prompt_ids: list[int] = field(default_factory=list)  # the final view prompt (want_ids: bench front)
     branch: str = ""        # the conversation branch's key (its view state): what KV reuse holds blocks for
-    view_edited: bool = False  # the view has cleared messages in force (moved K/V may be in its prompt)
+    moved: bool = False     # moved K/V may be in this request's prompt (the branch's, or this request's edit)
+    moved_before: bool = False  # ... already before this request (its priming request reads them)
     held: tuple[int, str] | None = None  # (tokens, prompt_hash) of the branch's previous prompt (``identity``)
 
 
@@ -82,7 +84,7 @@ def after_compaction(view: list[Message], where: list[int]) -> tuple[list[Messag
     return view[:lead] + view[last:], where[:lead] + where[last:]
 
 
-SUMMARY_TRIES = 3   # a summary written, then the conversation changed under it again: at most this often
+SAVE_TRIES = 4   # a summary to write, or a branch another request saved meanwhile: the step runs again
 
 
 class ContextManager:
@@ -158,37 +160,36 @@ class ContextManager:
     def prepare(self, owner: str, ref: SessionRef, messages: list[Message], tools: list | None,
                 policy: ContextManagement | None, window: int | None = None,
                 engine_form: EngineForm | None = None, want_ids: bool = False, may_summarize: bool = True,
-                identity: bool = False) -> Prepared:
-        """The request's view, its edits applied and saved with the log in one transaction.
-        ``may_summarize=False``: raise ``SummaryNeeded`` where a summary must be written first, once
-        the sync alone (which a second call finds done) is saved. ``identity``: keep the identity of
-        the prompt sent (KV reuse: the next edit names the prompt it is on by it)."""
+                identity: bool = False, shifting: bool = False, salt: str | None = None) -> Prepared:
+        """The request's view, its edits applied and saved on the state they were made on.
+        ``may_summarize=False``: raise ``SummaryNeeded`` where a summary must be written first (the
+        sync, which a second call finds done, is saved). ``identity``: keep the identity of the
+        prompt sent (the next KV edit names the prompt it is on by it); ``shifting``: a clearing
+        edit of this request goes to the KV connector (the branch then holds moved K/V);
+        ``salt``: the cache salt of the summarizer's requests."""
         keys = self.renderer.known.keys(messages)
         history = [engine_form(m) for m in messages] if engine_form else messages
         before = self.renderer.count(history, tools)
-        for attempt in range(SUMMARY_TRIES):
-            run, failure = None, None
-            with self.sessions.open(owner, ref, messages, keys) as synced:
-                work = synced.state.copy()
-                try:
-                    run = self._edit(_Run(*self._view(work, messages, engine_form)), work, tools, policy, history,
-                                     synced.key, window, self.summaries.reader(last_try=attempt == SUMMARY_TRIES - 1))
-                    held = synced.state.sent
-                    if identity:             # what the KV connector will hold for this branch
-                        ids = self.renderer.render(run.view, tools).token_ids
-                        work.sent = [len(ids), prompt_hash(ids)]
-                    synced.state = work      # saved as the transaction ends
-                except SummaryNeeded:
-                    pass                     # the sync alone is saved: the log before any edit
-                except Exception as exc:     # a failing edit must not lose the log's new messages
-                    failure = exc
-            if failure is not None:
-                raise failure
-            if run is not None:
+        for attempt in range(SAVE_TRIES):
+            last = attempt == SAVE_TRIES - 1
+            synced = self.sessions.sync(owner, ref, messages, keys)       # the log before any edit
+            work = synced.state.copy()
+            try:
+                run = self._edit(_Run(*self._view(work, messages, engine_form)), work, tools, policy, history,
+                                 synced.key, window, self.summaries.reader(owner, last_try=last))
+            except SummaryNeeded:
+                if not may_summarize:
+                    raise
+                self._write_summary(synced, messages, tools, policy, history, window, engine_form, owner, salt)
+                continue
+            if identity:             # what the KV connector will hold for this branch
+                ids = self.renderer.render(run.view, tools).token_ids
+                work.sent = [len(ids), prompt_hash(ids)]
+            work.moved = synced.state.moved or bool(shifting and run.kv_edits)
+            if self.sessions.save(synced, work) or last:   # else a request saved this branch meanwhile: again
                 break
-            if not may_summarize:
-                raise SummaryNeeded
-            self._write_summary(synced, messages, tools, policy, history, window, engine_form)
+        else:   # pragma: no cover - the loop always breaks on its last try
+            raise RuntimeError("unreachable")
         view = run.view
         after = self.renderer.count(view, tools) if view != history else before
         report = {"session_id": synced.id, "applied_edits": run.applied,
@@ -197,16 +198,17 @@ class ContextManager:
             report["failed_edits"] = run.failed
         ids = self.renderer.render(view, tools).token_ids if want_ids else []
         return Prepared(synced.key, synced.id, view, report, run.kv_edits, run.old_ids, run.summary, run.compact_edit,
-                        ids, synced.branch, bool(synced.state.replaced), tuple(held) if held else None)
+                        ids, synced.branch, work.moved, synced.state.moved,
+                        tuple(synced.state.sent) if synced.state.sent else None)
 
     def _write_summary(self, synced, messages: list[Message], tools: list | None, policy: ContextManagement | None,
-                       history: list[Message], window: int | None, engine_form: EngineForm | None) -> None:
-        """Run the edits on the saved state outside any transaction, the model writing what they
-        need (into ``summaries``); nothing is saved here."""
-        state = ViewState.load(self.sessions.log.get_state(synced.branch))
-        state.keys = synced.state.keys
+                       history: list[Message], window: int | None, engine_form: EngineForm | None, owner: str,
+                       salt: str | None) -> None:
+        """Run the edits on the synced state, the model writing what they need (into ``summaries``);
+        nothing is saved here."""
+        state = synced.state.copy()
         self._edit(_Run(*self._view(state, messages, engine_form)), state, tools, policy, history, synced.key, window,
-                   self.summaries.writer())
+                   self.summaries.writer(owner, salt))
 
     def count(self, messages: list[Message], tools: list | None, policy: ContextManagement | None,
               engine_form: EngineForm | None = None) -> tuple[int, int]:
@@ -244,7 +246,7 @@ def text_size(messages: list[Message], limit: int) -> int:
 
 async def manage(ctx: ContextManager, cfg, window: int, owner: str, ref: SessionRef,
                  conversation: list[Message], tools: list | None, requested: ContextManagement | None,
-                 engine_form: EngineForm | None = None) -> Prepared:
+                 engine_form: EngineForm | None = None, shifting: bool = False, salt: str | None = None) -> Prepared:
     """The request path's compaction step for any API: the session, the policy (the request's edits
     with the server default's for the kinds it does not name, see ``with_defaults``), then
     ``prepare``: small conversations on the event loop (see ``INLINE_CHARS``), the rest off it."""
@@ -253,12 +255,13 @@ async def manage(ctx: ContextManager, cfg, window: int, owner: str, ref: Session
     args = (owner, ref, conversation, tools, policy, window or None, engine_form)
     timing.mark("context_start")
     prepared = None
+    kw = {"identity": cfg.kv_connector, "shifting": shifting, "salt": salt}
     if ctx.sessions.log.LOCAL and text_size(conversation, INLINE_CHARS) <= INLINE_CHARS:
         try:
-            prepared = ctx.prepare(*args, may_summarize=False, identity=cfg.kv_connector)
+            prepared = ctx.prepare(*args, may_summarize=False, **kw)
         except SummaryNeeded:
             pass
     if prepared is None:
-        prepared = await asyncio.to_thread(functools.partial(ctx.prepare, *args, identity=cfg.kv_connector))
+        prepared = await asyncio.to_thread(functools.partial(ctx.prepare, *args, **kw))
     timing.mark("context_end")
     return prepared

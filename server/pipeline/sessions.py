@@ -18,8 +18,7 @@ import json
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,23 +116,26 @@ class ViewState:
     summary_start: int = 0
     summary_end: int = 0
     sent: list | None = None   # [tokens, prompt_hash] of the last view prompt sent: what the connector holds
+    moved: bool = False        # a shift/blend edit went to the connector: moved K/V are in this branch's cache
+    version: int = 0           # bumped by every save: an edit is saved only onto the state it was made on
 
     @classmethod
     def load(cls, raw: dict | None) -> ViewState:
         if not raw:
             return cls()
         return cls(raw["keys"], {int(k): v for k, v in raw["replaced"].items()}, raw["summary"],
-                   raw["summary_start"], raw["summary_end"], raw.get("sent"))
+                   raw["summary_start"], raw["summary_end"], raw.get("sent"), raw.get("moved", False),
+                   raw.get("version", 0))
 
     def dump(self) -> dict:
         return {"keys": self.keys, "replaced": {str(k): v for k, v in self.replaced.items()},
                 "summary": self.summary, "summary_start": self.summary_start, "summary_end": self.summary_end,
-                "sent": self.sent}
+                "sent": self.sent, "moved": self.moved, "version": self.version}
 
     def copy(self) -> ViewState:
         """A copy an edit can change without touching this one (messages are never changed in place)."""
         return ViewState(list(self.keys), dict(self.replaced), self.summary, self.summary_start, self.summary_end,
-                         self.sent)
+                         self.sent, self.moved, self.version)
 
     def forget_from(self, n: int) -> None:
         """The conversation diverged at index n: edits at or after it no longer apply."""
@@ -173,6 +175,7 @@ class Synced:
     id: str           # public id (X-Session-Id)
     state: ViewState
     branch: str = ""  # the view state's key: ``key`` itself, or ``key#N`` for a further branch
+    changed: bool = True   # the sync changed the branch's state (its keys, or a new branch)
 
     def __post_init__(self) -> None:
         self.branch = self.branch or self.key
@@ -184,76 +187,88 @@ class Sessions:
     An explicit id is the client's word that its requests belong together: conversations that
     share it (an agent's subagents, side requests) are **branches** of one session. Each branch
     keeps its own view state (its edits), and the log gets each message once: a request appends
-    only what follows the longest prefix it shares with a branch. A request without an id gets a
+    only what follows the longest prefix it shares with any branch. A request without an id gets a
     session only when its conversation continues a stored one of the same key entirely (every
-    stored message is in it), else a fork of its own with an unguessable id (``auto-<base>.<token>``):
-    the id it gets back, and ``recall`` through it, never show a message it did not send itself."""
+    stored message is in it), else a fork of its own with an unguessable id (``auto-<base>.<token>``).
+
+    A request's step is two short transactions: ``sync`` appends what the log has not seen (before
+    any edit) and reads the branch's state; ``save`` writes the state with the edits the request
+    made on it, only if nobody saved that branch in between (its ``version``), else the caller
+    runs its edits again on the newer state. The edits themselves run outside any transaction."""
 
     def __init__(self, log: SessionLog):
         self.log = log
 
     def sync(self, owner: str, ref: SessionRef, messages: list[Message], keys: list[str] | None = None) -> Synced:
-        """``open`` whose state is saved as synced (no edits)."""
-        with self.open(owner, ref, messages, keys) as synced:
-            return synced
-
-    @contextmanager
-    def open(self, owner: str, ref: SessionRef, messages: list[Message],
-             keys: list[str] | None = None) -> Iterator[Synced]:
         """Find the session and its branch, append the messages its log has not seen (before any
-        edit), and keep the transaction open while the caller edits ``synced.state``: the state is
-        saved in the same transaction when the block ends (not at all if it raises), so concurrent
-        requests on one session neither append a message twice nor lose each other's edits.
+        edit), record the conversation's keys; return the branch's state as saved.
         ``keys``: the messages' ``message_key`` where the caller has them (``KnownMessages``)."""
         keys = [message_key(m) for m in messages] if keys is None else keys
         if ref.id is not None:
             key, sid = session_key(owner, ref.id)
             with self.log.transaction(key) as tx:
-                synced = self._branch(tx, key, sid, keys, messages)
-                yield synced
-                self._put(tx, synced)
-            return
+                return self._put_if_changed(tx, self._branch(tx, key, sid, keys, messages))
         base = f"{owner}/{derived_id(messages)}"
         with self.log.transaction(base) as tx:
             forks = tx.states_like(base)
-            fitting = [(len(s["keys"]), k) for k, s in forks.items() if k != base
+            fitting = [(len(s["keys"]), k) for k, s in forks.items() if k != base and BRANCH not in k
                        and _common(s["keys"], keys) == len(s["keys"])]   # stored keys: a prefix of these
             key = max(fitting)[1] if fitting else f"{base}.{secrets.token_hex(8)}"
-            state = ViewState.load(forks.get(key))
+            tx.lock(key)   # the fork's own lock too: a client may name it explicitly at the same time
+            state = ViewState.load(tx.get_state(key))
+            if _common(state.keys, keys) != len(state.keys):   # changed since the lookup: a fork of its own
+                key, state = f"{base}.{secrets.token_hex(8)}", ViewState()
             tx.append(key, messages[len(state.keys):])
-            state.keys = keys
             synced = Synced(key, key.split("/", 1)[1], state)
-            yield synced
-            self._put(tx, synced)
+            synced.changed = state.keys != keys
+            state.keys = keys
+            return self._put_if_changed(tx, synced)
+
+    def save(self, synced: Synced, state: ViewState) -> bool:
+        """Write ``state`` (the edits made on ``synced.state``) if the branch is still as synced;
+        False when another request saved it meanwhile."""
+        with self.log.transaction(synced.key) as tx:
+            now = ViewState.load(tx.get_state(synced.branch))
+            if now.version != synced.state.version:
+                return False
+            state.version = now.version
+            self._put(tx, synced.branch, state)
+            return True
 
     @staticmethod
     def _branch(tx: LogTransaction, key: str, sid: str, keys: list[str], messages: list[Message]) -> Synced:
-        """The branch of an explicit session that these messages continue (its keys a prefix of
-        theirs; the longest, then the most recent), else a new branch copied from the one they share
-        the longest prefix with, its edits before the divergence kept. The log gets what follows."""
+        """The branch these messages share the longest prefix with (then the one they continue, then
+        the most recent): that branch when its keys are a prefix of theirs, else a new branch copied
+        from it, its edits before the divergence kept. The log gets what follows that prefix."""
         branches = tx.states_like(key, BRANCH)
-        scored = []
-        for name, raw in branches.items():
-            n = _common(raw["keys"], keys)
-            scored.append((n == len(raw["keys"]), n, raw.get("used", 0), name))
+        scored = [(n := _common(raw["keys"], keys), n == len(raw["keys"]), raw.get("used", 0), name)
+                  for name, raw in branches.items()]
         if not scored:
             state, branch, n = ViewState(), key, 0
         else:
-            continues, n, _, name = max(scored)
-            state = ViewState.load(branches[name])
-            branch = name
+            n, continues, _, branch = max(scored)
+            state = ViewState.load(branches[branch])
             if not continues:
                 state.forget_from(n)
+                state.moved, state.sent = False, None   # a new branch: another salt, nothing held for it yet
                 branch = _new_branch(key, branches)
         tx.append(key, messages[n:])
+        synced = Synced(key, sid, state, branch)
+        synced.changed = state.keys != keys or branch not in branches
         state.keys = keys
-        return Synced(key, sid, state, branch)
+        return synced
+
+    def _put_if_changed(self, tx: LogTransaction, synced: Synced) -> Synced:
+        if synced.changed:
+            self._put(tx, synced.branch, synced.state)
+        return synced
 
     @staticmethod
-    def _put(tx: LogTransaction, synced: Synced) -> None:
-        raw = synced.state.dump()
+    def _put(tx: LogTransaction, branch: str, state: ViewState) -> None:
+        state.version += 1
+        raw = state.dump()
         raw["used"] = time.time()
-        tx.put_state(synced.branch, raw)
+        tx.put_state(branch, raw)
 
 
 def _new_branch(key: str, branches: dict[str, dict]) -> str:

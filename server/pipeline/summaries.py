@@ -1,10 +1,12 @@
 """Summaries written once per conversation state: the context step's model calls, remembered.
 
 A summary takes the model seconds to minutes, so it is written outside the session's transaction
-(``Summaries.writer``) and read inside it (``Summaries.reader``: a miss there raises
+(``Summaries.writer``) and read by the step's next run (``Summaries.reader``: a miss there raises
 ``SummaryNeeded`` instead of calling the model). The same request retried (a client that timed out,
-Claude Code's retries) finds its summary here and is not summarized again. Keyed by exactly what the
-model would be asked (messages and token limit), so a summary is reused only for the same input.
+Claude Code's retries) finds its summary here and is not summarized again. Keyed by the API key it
+was written for and exactly what the model was asked (messages and token limit): a summary is
+reused only for the same key and the same input, and no key can tell from its timing whether
+another key's conversation was summarized (the model's requests carry that key's cache salt too).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ class Summaries:
         self._lock = threading.Lock()
 
     @staticmethod
-    def _key(messages: list[Message], max_tokens: int) -> str:
-        raw = json.dumps([messages, max_tokens], sort_keys=True, ensure_ascii=False).encode()
+    def _key(namespace: str, messages: list[Message], max_tokens: int) -> str:
+        raw = json.dumps([namespace, messages, max_tokens], sort_keys=True, ensure_ascii=False).encode()
         return hashlib.sha256(raw).hexdigest()
 
     def _get(self, key: str, consume_error: bool) -> str | BaseException | None:
@@ -52,29 +54,30 @@ class Summaries:
             while len(self._done) > self.size:
                 self._done.popitem(last=False)
 
-    def writer(self) -> ModelClient:
-        """Calls the model on a miss and remembers the summary (or its failure, for the reader)."""
-        return _Writer(self)
+    def writer(self, namespace: str, salt: str | None = None) -> ModelClient:
+        """Calls the model on a miss (its requests under ``salt``) and remembers the summary (or its
+        failure, for the reader) under ``namespace`` (the caller's key)."""
+        return _Writer(self, namespace, salt)
 
-    def reader(self, last_try: bool = False) -> ModelClient:
+    def reader(self, namespace: str, last_try: bool = False) -> ModelClient:
         """Never calls the model: a miss raises ``SummaryNeeded`` (``last_try``: a ``RuntimeError``,
         which the step reports as a failed edit)."""
-        return _Reader(self, last_try)
+        return _Reader(self, namespace, last_try)
 
 
 class _Writer:
-    def __init__(self, cache: Summaries):
-        self.cache = cache
+    def __init__(self, cache: Summaries, namespace: str, salt: str | None):
+        self.cache, self.namespace, self.salt = cache, namespace, salt
 
     def complete(self, messages: list[Message], max_tokens: int) -> str:
-        key = self.cache._key(messages, max_tokens)
+        key = self.cache._key(self.namespace, messages, max_tokens)
         found = self.cache._get(key, consume_error=False)
         if isinstance(found, str):
             return found
         if self.cache.model is None:
             raise RuntimeError("no summarizer model")
         try:
-            text = self.cache.model.complete(messages, max_tokens)
+            text = self.cache.model.complete(messages, max_tokens, **({"cache_salt": self.salt} if self.salt else {}))
         except Exception as exc:
             self.cache._put(key, exc)
             raise
@@ -83,11 +86,11 @@ class _Writer:
 
 
 class _Reader:
-    def __init__(self, cache: Summaries, last_try: bool):
-        self.cache, self.last_try = cache, last_try
+    def __init__(self, cache: Summaries, namespace: str, last_try: bool):
+        self.cache, self.namespace, self.last_try = cache, namespace, last_try
 
     def complete(self, messages: list[Message], max_tokens: int) -> str:
-        found = self.cache._get(self.cache._key(messages, max_tokens), consume_error=True)
+        found = self.cache._get(self.cache._key(self.namespace, messages, max_tokens), consume_error=True)
         if isinstance(found, str):
             return found
         if isinstance(found, BaseException):

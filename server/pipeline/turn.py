@@ -109,8 +109,11 @@ async def prepare_turn(state, engine: EngineClient, ctx, owner: str, turn: TurnI
     on = turn.fields.server_tools if turn.fields.server_tools is not None else cfg.server_tools
     tools = server_tools.with_server_tools(turn.tools) if on else turn.tools   # reserved names: 400 before logging
     window.check_fixed_part(ctx.renderer, turn.conversation, tools, sup.max_model_len, turn.engine_form, turn.param)
+    mode = turn.fields.kv_reuse or cfg.kv_reuse
     prepared = await manage(ctx, cfg, sup.max_model_len, owner, turn.session, turn.conversation, tools,
-                            turn.policy, engine_form=turn.engine_form)
+                            turn.policy, engine_form=turn.engine_form,
+                            shifting=cfg.kv_connector and mode != "recompute",
+                            salt=cache_salt.exact(owner, None, cfg.shared_prefix_cache))
     body = {**turn.body, "messages": prepared.messages}
     if tools:
         body["tools"] = tools

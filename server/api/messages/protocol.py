@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ....compaction.policy import ContextManagement
-from ...options import AgentKVFields
+from ...options import AgentKVFields, EngineBound
 
 
 class AnthropicMessage(BaseModel):
@@ -24,7 +24,7 @@ class AnthropicTool(BaseModel):
     input_schema: dict[str, Any] | None = None
 
 
-class _Conversation(BaseModel):
+class _Conversation(EngineBound):
     """What /v1/messages and /v1/messages/count_tokens share. Unknown fields are accepted."""
 
     model_config = ConfigDict(extra="allow")

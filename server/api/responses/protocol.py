@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ....compaction.policy import ContextManagement
-from ...options import AgentKVFields
+from ...options import AgentKVFields, EngineBound
 
 
 class Reasoning(BaseModel):
@@ -58,7 +58,7 @@ class ResponsesRequest(_Input, AgentKVFields):
     context_management: list[CompactionSetting] | ContextManagement | None = None
 
 
-class CompactRequest(_Input):
+class CompactRequest(_Input, EngineBound):
     model: str
     session_id: str | None = None   # agentkv's own
 
