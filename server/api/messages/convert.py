@@ -32,9 +32,10 @@ from ...errors import APIError
 from ...options import AGENTKV_FIELDS
 
 BILLING_HEADER = "x-anthropic-billing-header"
-USER_BLOCKS = {"text", "image", "document", "search_result", "tool_result"}
+TOOL_CHANGES = {"tool_addition", "tool_removal"}   # beta mid-conversation-tool-changes-2026-07-01
+USER_BLOCKS = {"text", "image", "document", "search_result", "tool_result", *TOOL_CHANGES}
 ASSISTANT_BLOCKS = {"text", "thinking", "redacted_thinking", "tool_use", "compaction"}
-RESULT_BLOCKS = {"text", "image", "document", "search_result"}
+RESULT_BLOCKS = {"text", "image", "document", "search_result", "tool_reference"}
 # the fields of a block this module reads: (types, required); others are kept as they are
 FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "text": {"text": ((str,), True)},
@@ -46,6 +47,9 @@ FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "document": {"source": ((dict,), True), "title": ((str,), False), "context": ((str,), False)},
     "search_result": {"content": ((list,), True), "title": ((str,), False), "source": ((str,), False)},
     "compaction": {"content": ((str, type(None)), False), "signature": ((str,), False)},
+    "tool_reference": {"tool_name": ((str,), True)},
+    "tool_addition": {"tool": ((dict,), True)},
+    "tool_removal": {"tool": ((dict,), True)},
 }
 # request fields this module maps (or knowingly ignores), never passed on to vLLM; any other field
 # passes through (vLLM's own sampling extensions: seed, repetition_penalty, structured_outputs, ...)
@@ -224,8 +228,10 @@ def _engine_parts(content: list) -> tuple[list[dict], list[str]]:
             parts.append({"type": "text", "text": p.get("text") or ""})
         elif kind == "thinking":
             thinking.append(p.get("thinking") or "")
-        elif kind in ("redacted_thinking", "compaction"):  # no text form; a failed compaction (no summary)
-            continue
+        elif kind in ("redacted_thinking", "compaction", *TOOL_CHANGES):  # no text form (a failed compaction:
+            continue                                                     # no summary; tool changes: in ``tools``)
+        elif kind == "tool_reference":
+            parts.append({"type": "text", "text": f"Tool loaded: {p.get('tool_name')}"})
         elif kind == "image":
             parts.append({"type": "image_url", "image_url": {"url": _image_url(p.get("source") or {})}})
         elif kind == "image_url":
@@ -266,6 +272,40 @@ def engine_message(m: Message) -> Message:
     if reasoning is not None:
         out["reasoning"] = reasoning
     return out
+
+
+def _named(ref: dict) -> str | None:
+    return ref.get("name") if ref.get("type") == "tool_reference" else None
+
+
+def offered_tools(tools: list[dict] | None, messages: list[dict]) -> list[dict] | None:
+    """The tools the model is offered at the end of the conversation: the request's, but those with
+    ``defer_loading`` until a ``tool_reference`` block in a tool result loads them (beta
+    ``advanced-tool-use-2025-11-20``: Claude Code's ToolSearch), then the conversation's
+    ``tool_addition`` / ``tool_removal`` blocks in order (beta ``mid-conversation-tool-changes-2026-07-01``:
+    a tool by reference, or an inline ``tool_definition``). MCP references name no tool this server runs."""
+    declared = {t["name"]: t for t in tools or [] if isinstance(t, dict) and t.get("name")}
+    offered = {name: t for name, t in declared.items() if not t.get("defer_loading")}
+    for m in messages:
+        for b in m.get("content") if isinstance(m.get("content"), list) else []:
+            if not isinstance(b, dict):
+                continue
+            kind = b.get("type")
+            if kind == "tool_result" and isinstance(b.get("content"), list):
+                for name in (r.get("tool_name") for r in b["content"] if isinstance(r, dict)
+                             and r.get("type") == "tool_reference"):
+                    if name in declared:
+                        offered[name] = declared[name]
+            elif kind == "tool_addition":
+                tool = b.get("tool") or {}
+                if tool.get("type") == "tool_definition" and isinstance(tool.get("definition"), dict):
+                    definition = tool["definition"]
+                    declared[definition.get("name")] = offered[definition.get("name")] = definition
+                elif _named(tool) in declared:
+                    offered[_named(tool)] = declared[_named(tool)]
+            elif kind == "tool_removal":
+                offered.pop(_named(b.get("tool") or {}), None)
+    return [{k: v for k, v in t.items() if k != "defer_loading"} for t in offered.values()] or None
 
 
 def tools_to_openai(tools: list[dict] | None) -> list[dict] | None:

@@ -20,7 +20,7 @@ from ...pipeline.turn import TurnInput, prepare_turn, session_of
 from ..deps import ContextDep, EngineDep, OwnerDep
 from . import compaction as on_demand
 from . import encode, threads
-from .convert import chat_request, conversation, engine_message, tools_to_openai
+from .convert import chat_request, conversation, engine_message, offered_tools, tools_to_openai
 from .protocol import MessagesRequest, _Conversation
 
 router = APIRouter(prefix="/v1")
@@ -42,7 +42,7 @@ def takes_images(model_path: str | None) -> bool:
 def _conversation(request: Request, body: dict) -> tuple[list, list | None]:
     model_path = request.app.state.supervisor.model_path
     return conversation(body.get("system"), body["messages"], takes_images(model_path)), \
-        tools_to_openai(body.get("tools"))
+        tools_to_openai(offered_tools(body.get("tools"), body["messages"]))
 
 
 @router.post("/messages")
