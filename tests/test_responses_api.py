@@ -226,6 +226,7 @@ def test_server_tools_run_inside_a_response(wide_server, stream):
         r_json = events[-1]["response"]
     else:
         r_json = r.json()
+    assert "server_tool_calls" in r_json, r_json
     (call,) = r_json["server_tool_calls"]
     assert call["name"] == "recall" and "timeout_ms = 1050" in call["result"]
     assert [o["type"] for o in r_json["output"]] == ["message"]

@@ -30,6 +30,23 @@ def test_models_lists_the_served_model(server):
     assert ids == [MODEL]
 
 
+def test_models_answers_codex_with_its_catalog_and_the_real_window(server):
+    """Codex asks ``/models?client_version=...`` and reads a top-level ``models`` array of its
+    ModelInfo (codex-rs protocol::openai_models): the served window, no instructions of ours."""
+    plain = server.http().get("/v1/models").json()
+    assert "models" not in plain
+    r = server.http().get("/v1/models", params={"client_version": "0.171.0"})
+    assert r.status_code == 200, r.text
+    (info,) = r.json()["models"]
+    window = plain["data"][0]["max_model_len"]
+    assert info["slug"] == MODEL and info["context_window"] == window and "base_instructions" not in info
+    assert info["auto_compact_token_limit"] == int(window * 0.75)
+    for field in ("display_name", "supported_reasoning_levels", "shell_type", "visibility", "supported_in_api",
+                  "priority", "supports_reasoning_summaries", "support_verbosity", "truncation_policy",
+                  "supports_parallel_tool_calls", "experimental_supported_tools"):
+        assert field in info, field
+
+
 def test_chat_non_stream_is_deterministic_and_reports_usage(server, renderer):
     client = server.client()
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
