@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import API_KEY, REPO
 
-OPENCODE = REPO / "tests" / "clients" / "node_modules" / ".bin" / "opencode"
+OPENCODE = REPO / "tests" / "clients" / "node_modules" / "opencode-linux-x64" / "bin" / "opencode"
 pytestmark = pytest.mark.skipif(not OPENCODE.exists(), reason="opencode is not installed (npm ci --prefix tests/clients)")
 
 
