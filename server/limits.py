@@ -38,52 +38,28 @@ class BodyLimit:
             if declared.isdigit() and int(declared) > self.max_bytes:
                 return await self._reject(scope, send)
             return await self.app(scope, receive, send)  # the server delivers no more than declared
-        parts, seen = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            parts.append(message.get("body", b""))
-            seen += len(parts[-1])
-            if seen > self.max_bytes:
-                return await self._reject(scope, send)
-            if not message.get("more_body", False):
-                break
-        replayed = False
+        body = await self._read(receive)
+        if body is None:                  # the client went away
+            return
+        if len(body) > self.max_bytes:
+            return await self._reject(scope, send)
+        await self.app(scope, self._replay(body, receive), send)
 
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(parts), "more_body": False}
-            return await receive()  # after the body: disconnect notices, as the server sends them
-
-        await self.app(scope, replay, send)
-
-    async def _decoded(self, scope, receive, send, encoding: bytes):
-        if encoding not in ENCODINGS:
-            return await self._error(scope, send, 415, f"Content-Encoding {encoding.decode(errors='replace')!r} is not "
-                                                       "supported (gzip, deflate, zstd)", "unsupported_encoding")
+    async def _read(self, receive) -> bytes | None:
+        """The whole body, or None if the client went away; reading stops past the limit (the result
+        is then longer than it)."""
         parts, seen = [], 0
         while True:
             message = await receive()
             if message["type"] != "http.request":
-                return
+                return None
             parts.append(message.get("body", b""))
             seen += len(parts[-1])
-            if seen > self.max_bytes:
-                return await self._reject(scope, send)
-            if not message.get("more_body", False):
-                break
-        try:
-            body = self._inflate(b"".join(parts), encoding)
-        except (zlib.error, zstandard.ZstdError, EOFError) as exc:
-            return await self._error(scope, send, 400, f"the request body is not valid {encoding.decode()} ({exc})",
-                                     "invalid_encoding")
-        if body is None:
-            return await self._reject(scope, send)
-        kept = [(k, v) for k, v in scope.get("headers") or [] if k not in (b"content-encoding", b"content-length")]
-        scope = {**scope, "headers": kept + [(b"content-length", str(len(body)).encode())]}
+            if seen > self.max_bytes or not message.get("more_body", False):
+                return b"".join(parts)
+
+    @staticmethod
+    def _replay(body: bytes, receive):
         replayed = False
 
         async def replay():
@@ -91,14 +67,38 @@ class BodyLimit:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            return await receive()  # after the body: disconnect notices, as the server sends them
+        return replay
 
-        await self.app(scope, replay, send)
+    async def _decoded(self, scope, receive, send, encoding: bytes):
+        if encoding not in ENCODINGS:
+            return await self._error(scope, send, 415, f"Content-Encoding {encoding.decode(errors='replace')!r} is not "
+                                                       "supported (gzip, deflate, zstd)", "unsupported_encoding")
+        raw = await self._read(receive)
+        if raw is None:
+            return
+        if len(raw) > self.max_bytes:
+            return await self._reject(scope, send)
+        try:
+            body = self._inflate(raw, encoding)
+        except (zlib.error, zstandard.ZstdError, EOFError) as exc:
+            return await self._error(scope, send, 400, f"the request body is not valid {encoding.decode()} ({exc})",
+                                     "invalid_encoding")
+        if body is None:
+            return await self._reject(scope, send)
+        kept = [(k, v) for k, v in scope.get("headers") or [] if k not in (b"content-encoding", b"content-length")]
+        scope = {**scope, "headers": kept + [(b"content-length", str(len(body)).encode())]}
+        await self.app(scope, self._replay(body, receive), send)
 
     def _inflate(self, data: bytes, encoding: bytes) -> bytes | None:
         """The decoded body, or None where it would exceed the limit (never inflated past it)."""
         if encoding == b"zstd":
-            out = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read(self.max_bytes + 1)
+            reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data))
+            chunks, n = [], 0
+            while n <= self.max_bytes and (chunk := reader.read(min(1 << 20, self.max_bytes + 1 - n))):
+                chunks.append(chunk)
+                n += len(chunk)
+            out = b"".join(chunks)
         else:
             d = zlib.decompressobj(zlib.MAX_WBITS | 32 if encoding == b"gzip" else zlib.MAX_WBITS)
             out = d.decompress(data, self.max_bytes + 1)

@@ -255,7 +255,7 @@ def test_count_tokens_equals_what_the_engine_is_given(server):
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_server_executed_recall_finds_a_cleared_fact(server, stream):
     sid = f"r-{uuid.uuid4().hex[:8]}"
-    body = {"model": MODEL, "max_tokens": 60, "messages": diag(), "tools": TOOLS, "stream": stream,
+    body = {"model": MODEL, "max_tokens": 160, "temperature": 0, "messages": diag(), "tools": TOOLS, "stream": stream,
             "server_tools": True, "structured_outputs": {"regex": RECALL_CALL},
             "context_management": {"edits": [EDITS["clear_tool_uses_20250919"][0]]}}
     r = server.http().post("/v1/messages", headers={"X-Session-Id": sid}, json=body)

@@ -216,9 +216,11 @@ def test_server_tools_run_inside_a_response(wide_server, stream):
     items = tool_session(rounds=2, lines=10)
     items[3]["output"] += "\nmedia timeout_ms = 1050"
     recall = r'<tool_call>\{"name": "recall", "arguments": \{"query": "media timeout"\}\}</tool_call>'
+    # greedy, with room for the call however it is tokenized (a regex constrains characters, not
+    # tokens: a sampled run once spelled it in more than 60 tokens and ended incomplete)
     r = wide_server.http().post("/v1/responses", headers={"x-session-id": sid()}, json={
-        "model": MODEL, "input": items, "tools": [BASH], "max_output_tokens": 60, "store": False, "stream": stream,
-        "server_tools": True, "structured_outputs": {"regex": recall}})
+        "model": MODEL, "input": items, "tools": [BASH], "max_output_tokens": 160, "temperature": 0, "store": False,
+        "stream": stream, "server_tools": True, "structured_outputs": {"regex": recall}})
     assert r.status_code == 200, r.text
     if stream:
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]

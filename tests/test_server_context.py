@@ -88,13 +88,14 @@ def test_view_is_stable_next_turn_hits_the_prefix_cache_and_log_keeps_originals(
 
 
 RECALL_CALL = r'<tool_call>\{"name": "recall", "arguments": \{"query": "media timeout"\}\}</tool_call>'
+# a regex constrains characters, not tokens: greedy, and room for the call however it is spelled
+CALL_ROOM = {"max_tokens": 160, "temperature": 0}
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_server_executed_recall_finds_a_cleared_fact(server, stream):
     sid = f"r-{uuid.uuid4().hex[:8]}"
-    extra = dict(context_management=CLEAR, server_tools=True, structured_outputs={"regex": RECALL_CALL},
-                 max_tokens=60)
+    extra = dict(context_management=CLEAR, server_tools=True, structured_outputs={"regex": RECALL_CALL}, **CALL_ROOM)
     if not stream:
         body = chat(server, diag_conversation(), sid, **extra).json()
         calls, final = body["server_tool_calls"], body
@@ -125,7 +126,7 @@ def test_two_api_keys_cannot_see_each_others_sessions(server):
     sid = f"shared-{uuid.uuid4().hex[:8]}"
     assert chat(server, diag_conversation(), sid, key=API_KEY).status_code == 200
     r = chat(server, [{"role": "user", "content": "recall it"}], sid, key=OTHER_KEY, server_tools=True,
-             structured_outputs={"regex": RECALL_CALL}, max_tokens=60)
+             structured_outputs={"regex": RECALL_CALL}, **CALL_ROOM)
     result = r.json()["server_tool_calls"][0]["result"]
     assert result == "No match in the session log." and FACT not in r.text
 
