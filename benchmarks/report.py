@@ -235,7 +235,7 @@ def headlines(results: Path = RESULTS) -> str:
         rows.append([f"{n:,} tokens of Llama-3-8B KV: clearing moves them (Triton)",
                      f"{m['kernel_ms']:.2f} ms ({m['kernel_gb_per_s']:,.0f} GB/s)",
                      f"recompute (prefill): {f['prefill_s']:.2f} s, {f['prefill_s'] * 1e3 / m['kernel_ms']:,.0f}x the move",
-                     _where(gpu, "gpu_check") + "; " + f"[`gpu-prefill`](benchmarks/README.md#gpu-prefill)"])
+                     _where(gpu, "gpu_check") + "; " + "[`gpu-prefill`](benchmarks/README.md#gpu-prefill)"])
     cases = gpu["correctness"]
     rows.append(["Triton kernel correctness on the GPU", f"{sum(c['passed'] for c in cases)}/{len(cases)} cases pass",
                  "against the torch path and a per-token loop, whole caches", _where(gpu, "gpu_check")])

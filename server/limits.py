@@ -11,6 +11,7 @@ decode is a 400, another encoding a 415.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import zlib
@@ -20,6 +21,7 @@ import zstandard
 from .errors import error_body_for
 
 ENCODINGS = (b"gzip", b"deflate", b"zstd")
+ZSTD_MAX_WINDOW = 1 << 25
 
 
 class BodyLimit:
@@ -80,7 +82,7 @@ class BodyLimit:
         if len(raw) > self.max_bytes:
             return await self._reject(scope, send)
         try:
-            body = self._inflate(raw, encoding)
+            body = await asyncio.to_thread(self._inflate, raw, encoding)  # CPU work off the event loop
         except (zlib.error, zstandard.ZstdError, EOFError) as exc:
             return await self._error(scope, send, 400, f"the request body is not valid {encoding.decode()} ({exc})",
                                      "invalid_encoding")
@@ -93,7 +95,8 @@ class BodyLimit:
     def _inflate(self, data: bytes, encoding: bytes) -> bytes | None:
         """The decoded body, or None where it would exceed the limit (never inflated past it)."""
         if encoding == b"zstd":
-            reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data))
+            # a bounded window: a frame may not ask for more than 32 MiB of decoder memory
+            reader = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).stream_reader(io.BytesIO(data))
             chunks, n = [], 0
             while n <= self.max_bytes and (chunk := reader.read(min(1 << 20, self.max_bytes + 1 - n))):
                 chunks.append(chunk)

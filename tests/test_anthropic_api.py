@@ -372,3 +372,11 @@ def test_compact_20260112_answers_with_a_compaction_block_that_replaces_what_cam
                                                                                "pause_after_compaction": True}]}})
     assert paused.stop_reason == "compaction" and [b.type for b in paused.content] == ["compaction"]
     assert paused.content[0].content == first.content[0].content
+    # in a thread, a paused response is stored like any other: the thread goes on from it
+    threaded = {**kw, "betas": kw["betas"] + ["message-threads-2026-08-12"],
+                "context_management": {"edits": [{**compact, "pause_after_compaction": True}]}}
+    created = c.beta.messages.create(messages=msgs, thread={"type": "create"}, **threaded)
+    assert created.stop_reason == "compaction"
+    went_on = c.beta.messages.create(messages=[{"role": "user", "content": "Which one first?"}],
+                                     thread={"type": "continue", "previous_message_id": created.id}, **threaded)
+    assert went_on.context_management.model_extra["prompt_tokens_after"] < 5000   # on the summary

@@ -139,13 +139,20 @@ def test_altered_forged_foreign_and_misplaced_blocks_get_anthropics_errors(small
          c, "compaction_signature_invalid"),
         ([{"role": "assistant", "content": [block]}, after], client(small_server, OTHER_KEY), "compaction_signature_invalid"),
         ([after, {"role": "assistant", "content": [block]}, after], c, "compaction_block_misplaced"),
-        ([{"role": "assistant", "content": [block, {"type": "compaction", "content": "another summary"}]}, after], c,
-         "compaction_block_ambiguous"),
+        ([{"role": "assistant", "content": [block, {**block}]}, after], c, "compaction_block_ambiguous"),
     ]
     for messages, who, code in cases:
         with pytest.raises(anthropic.BadRequestError) as refused:
             who.beta.messages.create(model=MODEL, max_tokens=8, messages=messages, betas=[COMPACT])
         assert refused.value.error_code == code, (code, refused.value)
+    # an unsigned block (compact_20260112's, or a client's own) is no second summary of ours
+    beside = c.beta.messages.create(model=MODEL, max_tokens=8, betas=[COMPACT], messages=[
+        {"role": "assistant", "content": [block, {"type": "compaction", "content": "another summary"}]}, after])
+    assert beside.stop_reason in ("end_turn", "max_tokens")
+    with pytest.raises(anthropic.BadRequestError) as both:     # a thread is not compacted on demand
+        c.beta.messages.create(model=MODEL, max_tokens=8, messages=_conversation(), betas=[COMPACT, THREADS],
+                               compaction={"type": "summarize"}, thread={"type": "create"})
+    assert both.value.error_code == "thread_unsupported_request"
     unanswered = _conversation()[:-1] + [{"role": "assistant", "content": [
         {"type": "tool_use", "id": "toolu_1", "name": "probe", "input": {}}]}]
     for messages, extra, code in [(unanswered, {}, "compaction_incomplete_turn"),

@@ -11,6 +11,7 @@ from ...compaction.summarize import is_summary
 from ..errors import APIError
 from .context import Prepared, manage
 from .sessions import SessionRef
+from .window import check_fixed_part
 
 
 def explicit_policy(window: int, instructions: str | None = None) -> ContextManagement:
@@ -36,10 +37,13 @@ def fired(prepared: Prepared) -> dict | None:
 
 
 async def compact_now(state, ctx, owner: str, ref: SessionRef, conversation: list[Message],
-                      tools: list | None, instructions: str | None = None, engine_form=None) -> Prepared:
+                      tools: list | None, instructions: str | None = None, engine_form=None,
+                      param: str = "messages") -> Prepared:
     """The conversation, logged, with its summary written; a summary that could not be written
-    is a 503 (``compaction_failed``): the client asked for it and gets no silent no-op."""
+    is a 503 (``compaction_failed``): the client asked for it and gets no silent no-op. A system
+    prompt and tools that fill the window alone are refused first (no summary can make them fit)."""
     window = state.supervisor.max_model_len
+    check_fixed_part(ctx.renderer, conversation, tools, window, engine_form, param)
     prepared = await manage(ctx, state.cfg, window, owner, ref, conversation, tools,
                             explicit_policy(window, instructions), engine_form=engine_form)
     if prepared.report.get("failed_edits"):

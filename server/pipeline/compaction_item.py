@@ -152,7 +152,8 @@ class CompactionSeal:
         code: ``compaction_signature_invalid`` (altered, forged, another key's) or
         ``compaction_content_mismatch`` (a genuine signature, other text)."""
         parts = signature.split(".") if isinstance(signature, str) else []
-        if len(parts) != 3 or parts[0] != VERSION or not hmac.compare_digest(parts[2], self._tag(parts[1])):
+        if len(parts) != 3 or parts[0] != VERSION or \
+                not hmac.compare_digest(parts[2].encode(errors="replace"), self._tag(parts[1]).encode()):
             return "compaction_signature_invalid"
         try:
             data = json.loads(_unb64(parts[1]))
@@ -160,7 +161,8 @@ class CompactionSeal:
             return "compaction_signature_invalid"
         if not isinstance(data, dict) or data.get("owner") != owner:
             return "compaction_signature_invalid"
-        if data.get("sha256") != hashlib.sha256((text or "").encode()).hexdigest():
+        if not isinstance(text, (str, type(None))) or \
+                data.get("sha256") != hashlib.sha256((text or "").encode()).hexdigest():
             return "compaction_content_mismatch"
         return None
 

@@ -22,7 +22,7 @@ from ..engine.client import EngineClient, EngineResponse, EngineUnavailable, dec
 from ..errors import error_body
 from ..kv.reuse import continued, take_outcome
 from ..metrics import observe_usage
-from . import server_tools
+from . import server_tools, window
 from .server_tools import ToolRunner
 
 PATH = "/v1/chat/completions"
@@ -58,10 +58,15 @@ def split_calls(calls: list[dict]) -> tuple[list[dict], list[dict]]:
     return ours, [c for c in calls if c not in ours]
 
 
-def next_round(body: dict, content: str | None, calls: list[dict], results: list[dict]) -> dict:
+def next_round(body: dict, content: str | None, calls: list[dict], results: list[dict], refit_output: bool) -> dict:
     """The follow-up request: the server calls and their results appended. A forced tool choice or
-    output constraint applied to producing the call, so the follow-up is free (`auto`)."""
+    output constraint applied to producing the call, so the follow-up is free (`auto`). An output
+    limit that was lowered to the room the first prompt left is dropped (the engine then gives the
+    follow-up the room its longer prompt leaves)."""
     body = copy.deepcopy(body)
+    if refit_output:
+        for key in window.OUTPUT_LIMITS:
+            body.pop(key, None)
     body["messages"] = body["messages"] + [{"role": "assistant", "content": content, "tool_calls": calls}] + \
         [{"role": "tool", "tool_call_id": r["id"], "content": r["result"]} for r in results]
     if body.get("tool_choice") not in (None, "auto", "none"):
@@ -108,7 +113,7 @@ async def completion(engine: EngineClient, body: dict, runner: ToolRunner | None
             if theirs:
                 message["tool_calls"] = theirs
                 break
-            body = next_round(body, message.get("content"), ours, results)
+            body = next_round(body, message.get("content"), ours, results, runner.refit_output)
     except EngineUnavailable as exc:
         return unreachable(exc)
     if usage is not None:
@@ -217,7 +222,7 @@ class EngineStream:
             if runner and ours and round_ < runner.max_rounds and not theirs:
                 results = await runner.run(ours)
                 self.server_tool_calls += results
-                self.body = next_round(self.body, None, ours, results)
+                self.body = next_round(self.body, None, ours, results, runner.refit_output)
                 try:
                     resp = await self.engine.post_stream(PATH, self.body)
                     if resp.status_code != 200:  # the follow-up was refused (e.g. the context is full)

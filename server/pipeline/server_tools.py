@@ -62,8 +62,9 @@ def execute(log: SessionLog, session: str, name: str, arguments: str) -> str:
 class ToolRunner:
     """Executes server tool calls against one session and logs the exchange (append-only)."""
 
-    def __init__(self, log: SessionLog, session: str, max_rounds: int):
+    def __init__(self, log: SessionLog, session: str, max_rounds: int, refit_output: bool = False):
         self.log, self.session, self.max_rounds = log, session, max_rounds
+        self.refit_output = refit_output   # the output limit was lowered to the room: a longer follow-up drops it
 
     async def run(self, calls: list[dict]) -> list[dict]:
         def work() -> list[dict]:

@@ -47,7 +47,7 @@ def check_request(body: dict) -> None:
 
 def check_blocks(seal: CompactionSeal, owner: str, messages: list[dict]) -> None:
     """Signed ``compaction`` blocks: genuine, this key's, over their own text, first, alone."""
-    signed, with_content = [], 0
+    signed = []
     first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
     for i, m in enumerate(messages):
         if not isinstance(m["content"], list):
@@ -55,8 +55,7 @@ def check_blocks(seal: CompactionSeal, owner: str, messages: list[dict]) -> None
         for j, b in enumerate(m["content"]):
             if not isinstance(b, dict) or b.get("type") != "compaction":
                 continue
-            with_content += bool(b.get("content"))
-            if b.get("signature") is None:
+            if b.get("signature") is None:  # unsigned: a client's own block, plain text to us
                 continue
             signed.append((i, j))
             error = seal.check_text(owner, b.get("content"), b["signature"])
@@ -68,8 +67,8 @@ def check_blocks(seal: CompactionSeal, owner: str, messages: list[dict]) -> None
         i, j = signed[0]
         raise _refuse("a compaction block must be the first block of the conversation", "compaction_block_misplaced",
                       f"messages.{i}.content.{j}")
-    if signed and with_content > 1:
-        raise _refuse("messages hold more than one compaction block with content: send only the one the conversation "
+    if len(signed) > 1:
+        raise _refuse("messages hold more than one signed compaction block: send only the one the conversation "
                       "returned last", "compaction_block_ambiguous", "messages")
 
 

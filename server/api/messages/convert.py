@@ -70,14 +70,20 @@ def _without_billing(text: str) -> str:
     return text.partition("\n")[2] if text.startswith(BILLING_HEADER) else text
 
 
-def _system_content(content: Any, where: str) -> str | list[dict] | None:
+def _system_content(content: Any, where: str, tool_changes: bool) -> str | list[dict] | None:
+    """System text without the billing header; in a system *message* (not the top-level ``system``)
+    also ``tool_addition`` / ``tool_removal`` blocks (Claude Code sends its tool changes so)."""
     if isinstance(content, str):
         return _without_billing(content) or None
     blocks = []
     for j, b in enumerate(content or []):
-        if b.get("type") != "text" or not isinstance(b.get("text"), str):
-            raise APIError(400, f"{where}.{j}: system content takes text blocks ({{'type': 'text', 'text': "
-                                f"<string>}}), not {b!r:.100}", param=f"{where}.{j}")
+        if tool_changes and isinstance(b, dict) and b.get("type") in TOOL_CHANGES and isinstance(b.get("tool"), dict):
+            blocks.append(_whole(b))
+            continue
+        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
+            takes = "text blocks ({'type': 'text', 'text': <string>})" + \
+                (" and tool_addition / tool_removal blocks" if tool_changes else "")
+            raise APIError(400, f"{where}.{j}: system content takes {takes}, not {b!r:.100}", param=f"{where}.{j}")
         text = _without_billing(b["text"])
         if text:
             blocks.append(_whole({**b, "text": text}))
@@ -158,14 +164,14 @@ def conversation(system: Any, messages: list[dict], takes_images: bool = False) 
     """The request's conversation as OpenAI messages, every block whole (see the module docstring)."""
     check = _Checker(takes_images)
     out: list[Message] = []
-    top = _system_content(system, "system") if system else None
+    top = _system_content(system, "system", tool_changes=False) if system else None
     if top:
         out.append({"role": "system", "content": top})
     for i, m in enumerate(messages):
         role, content = m["role"], m.get("content")
         where = f"messages.{i}.content"
         if role == "system":
-            text = _system_content(content, where)
+            text = _system_content(content, where, tool_changes=True)
             if text:
                 out.append({"role": "system", "content": text})
         elif isinstance(content, str):
@@ -275,7 +281,8 @@ def engine_message(m: Message) -> Message:
 
 
 def _named(ref: dict) -> str | None:
-    return ref.get("name") if ref.get("type") == "tool_reference" else None
+    name = ref.get("name") if ref.get("type") == "tool_reference" else None
+    return name if isinstance(name, str) else None
 
 
 def offered_tools(tools: list[dict] | None, messages: list[dict]) -> list[dict] | None:
@@ -294,17 +301,17 @@ def offered_tools(tools: list[dict] | None, messages: list[dict]) -> list[dict] 
             if kind == "tool_result" and isinstance(b.get("content"), list):
                 for name in (r.get("tool_name") for r in b["content"] if isinstance(r, dict)
                              and r.get("type") == "tool_reference"):
-                    if name in declared:
+                    if isinstance(name, str) and name in declared:
                         offered[name] = declared[name]
             elif kind == "tool_addition":
-                tool = b.get("tool") or {}
-                if tool.get("type") == "tool_definition" and isinstance(tool.get("definition"), dict):
-                    definition = tool["definition"]
-                    declared[definition.get("name")] = offered[definition.get("name")] = definition
+                tool = b.get("tool") if isinstance(b.get("tool"), dict) else {}
+                definition = tool.get("definition") if tool.get("type") == "tool_definition" else None
+                if isinstance(definition, dict) and isinstance(definition.get("name"), str):
+                    declared[definition["name"]] = offered[definition["name"]] = definition
                 elif _named(tool) in declared:
                     offered[_named(tool)] = declared[_named(tool)]
             elif kind == "tool_removal":
-                offered.pop(_named(b.get("tool") or {}), None)
+                offered.pop(_named(b.get("tool") if isinstance(b.get("tool"), dict) else {}), None)
     return [{k: v for k, v in t.items() if k != "defer_loading"} for t in offered.values()] or None
 
 

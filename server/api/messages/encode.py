@@ -60,7 +60,7 @@ def _tool_input(arguments: str | None) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def message(payload: dict, compaction: dict | None, extra: dict, message_id_: str | None = None) -> dict:
+def message(payload: dict, compaction: dict | None, extra: dict) -> dict:
     """The JSON response for an engine chat completion."""
     choice = payload["choices"][0]
     msg = choice.get("message") or {}
@@ -76,7 +76,7 @@ def message(payload: dict, compaction: dict | None, extra: dict, message_id_: st
     if len(content) == (1 if compaction else 0):
         content.append({"type": "text", "text": ""})
     reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), bool(calls))
-    return {"id": message_id_ or message_id(), "type": "message", "role": "assistant", "model": payload.get("model"),
+    return {"id": message_id(), "type": "message", "role": "assistant", "model": payload.get("model"),
             "content": content, "stop_reason": reason, "stop_sequence": sequence,
             "usage": usage(payload.get("usage")), **extra}
 
@@ -97,9 +97,9 @@ class EventStream:
     """The events of one streamed message. Blocks never interleave: a new kind of delta closes the
     open block and starts the next."""
 
-    def __init__(self, model: str, input_tokens: int, id_: str | None = None):
+    def __init__(self, model: str, input_tokens: int):
         self.model, self.input_tokens = model, input_tokens
-        self.id = id_ or message_id()
+        self.id = message_id()
         self.blocks: list[dict] = []    # the message's content as the events build it (``content()``)
         self.stop: str | None = None    # the stop reason, once the message is finished
         self.index = -1                 # index of the open (or last) block
@@ -217,20 +217,24 @@ def refusal(r: Refusal, turn: Turn) -> JSONResponse:
     return JSONResponse(anthropic_error_body(r.status, str(text)), status_code=r.status, headers=turn.headers())
 
 
-def paused(turn: Turn, model: str, compaction: dict, stream: bool) -> Response:
+Done = Callable[[str, "list[dict] | None", "str | None"], Awaitable[None]]   # (message id, content, stop reason)
+
+
+async def paused(turn: Turn, model: str, compaction: dict, stream: bool, done: Done | None = None) -> Response:
     """``pause_after_compaction``: the compaction block alone, no generation."""
     extra = turn.extra([])
     if stream:
         enc = EventStream(model, 0)
         events = [enc.start(), *enc.compaction(compaction), *enc.finish_events(None, extra, reason="compaction")]
+        if done:
+            await done(enc.id, enc.content(), "compaction")
         return StreamingResponse(iter(events), media_type="text/event-stream", headers=turn.headers())
-    return JSONResponse({"id": message_id(), "type": "message", "role": "assistant", "model": model,
-                         "content": [compaction_block(compaction)], "stop_reason": "compaction",
-                         "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}, **extra},
-                        headers=turn.headers())
-
-
-Done = Callable[[str, "list[dict] | None", "str | None"], Awaitable[None]]   # (message id, content, stop reason)
+    body = {"id": message_id(), "type": "message", "role": "assistant", "model": model,
+            "content": [compaction_block(compaction)], "stop_reason": "compaction", "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0}, **extra}
+    if done:
+        await done(body["id"], body["content"], "compaction")
+    return JSONResponse(body, headers=turn.headers())
 
 
 async def complete(turn: Turn, model: str, compaction: dict | None, done: Done | None = None) -> Response:
@@ -254,7 +258,7 @@ async def stream(turn: Turn, model: str, compaction: dict | None, done: Done | N
     enc = EventStream(model, turn.report["prompt_tokens_after"])
 
     async def events() -> AsyncIterator[bytes]:
-        finished = None
+        nonlocal done
         try:
             yield enc.start()
             if compaction:
@@ -271,12 +275,15 @@ async def stream(turn: Turn, model: str, compaction: dict | None, done: Done | N
                 yield error_event(es.error)
                 return
             observe_usage(es.usage)
-            for event in enc.finish_events(es.usage, turn.extra(es.server_tool_calls)):
+            closing = enc.finish_events(es.usage, turn.extra(es.server_tool_calls))
+            if done:   # stored before the client sees message_stop: it may continue at once
+                await done(enc.id, enc.content(), enc.stop)
+                done = None
+            for event in closing:
                 yield event
-            finished = enc.stop
         finally:
-            if done:
-                await done(enc.id, enc.content() if finished else None, finished)
+            if done:   # broken off: nothing to store, the thread lets go
+                await done(enc.id, None, None)
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={**turn.headers(), "Cache-Control": "no-cache"})

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from ...errors import APIError
 from ...options import require_utf8
 from ...pipeline.turn import TurnInput, prepare_turn, session_of
 from ..deps import ContextDep, EngineDep, OwnerDep
@@ -50,29 +51,31 @@ async def messages(req: MessagesRequest, request: Request, engine: EngineDep, ow
                    ctx: ContextDep) -> Response:
     state = request.app.state
     body = require_utf8(req.model_dump(exclude_unset=True))
+    if req.thread is not None and req.compaction is not None:
+        raise APIError(400, "thread cannot be combined with compaction: compact the conversation, then create a "
+                            "thread from the compaction block", param="compaction", error_code="thread_unsupported_request")
     thread = await threads.resume(state.sessions.log, owner, body)     # a continue: the body made whole
-    on_demand.check_blocks(state.compaction_seal, owner, body["messages"])
-    if req.compaction is not None:
-        on_demand.check_request(body)
-    conv, tools = _conversation(request, body)
-    model = req.model or state.cfg.model_name
-    session = thread.session if thread and thread.session else session_of(request.headers, req, body)
-    if req.compaction is not None:
-        prepared, block = await on_demand.summarize(state, ctx, owner, session, conv, tools, req.compaction.instructions,
-                                                    engine_message)
-        return on_demand.respond(model, prepared, block, req.stream, {"X-Session-Id": prepared.session_id})
-    held = threads.claim(state.sessions.log, thread)
+    held = threads.claim(state.sessions.log, thread)                   # from here on, released on every path
     try:
+        on_demand.check_blocks(state.compaction_seal, owner, body["messages"])
+        if req.compaction is not None:
+            on_demand.check_request(body)
+        conv, tools = _conversation(request, body)
+        model = req.model or state.cfg.model_name
+        session = thread.session if thread and thread.session else session_of(request.headers, req, body)
+        if req.compaction is not None:
+            prepared, block = await on_demand.summarize(state, ctx, owner, session, conv, tools,
+                                                        req.compaction.instructions, engine_message)
+            return on_demand.respond(model, prepared, block, req.stream, {"X-Session-Id": prepared.session_id})
         turn = await prepare_turn(state, engine, ctx, owner, TurnInput(
             conv, tools, chat_request(body, model), req, session, req.context_management, engine_message))
-        compaction = encode.compaction_of(turn.prepared)
-        if compaction and turn.prepared.compact_edit.pause_after_compaction:
-            held and held.release()
-            return encode.paused(turn, model, compaction, req.stream)
         if held:
             held.session_key = turn.prepared.key
-        return await (encode.stream if req.stream else encode.complete)(turn, model, compaction,
-                                                                        held.done if held else None)
+        done = held.done if held else None
+        compaction = encode.compaction_of(turn.prepared)
+        if compaction and turn.prepared.compact_edit.pause_after_compaction:
+            return await encode.paused(turn, model, compaction, req.stream, done)
+        return await (encode.stream if req.stream else encode.complete)(turn, model, compaction, done)
     except BaseException:
         if held:
             held.release()

@@ -7,9 +7,10 @@ conversation is rebuilt from the stored chain (the session log database: the sav
 request runs as if the client had sent it whole. As Anthropic documents: a thread expires 5 minutes
 after its last response (``thread_not_found``, 404: the client replays with ``create``); a response
 is continued once (``thread_already_continued``) and by one request at a time
-(``thread_continue_in_flight``); ``system`` and ``tools`` come from the thread, and a continue that
-sends other ones is refused (``thread_fingerprint_mismatch``). A thread belongs to the API key that
-made it: any other key gets the same 404 as for an id that does not exist.
+(``thread_continue_in_flight``: checked in this process; replicas sharing one log each check their
+own); ``system`` and ``tools`` come from the thread, and a continue that sends other ones is refused
+(``thread_fingerprint_mismatch``; ``cache_control`` markers aside). A thread belongs to the API key
+that made it: any other key gets the same 404 as for an id that does not exist.
 """
 
 from __future__ import annotations
@@ -17,16 +18,17 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ...errors import APIError
 from ...pipeline.sessions import SessionRef
 
 TTL_S = 300.0
+IN_FLIGHT_S = 600.0   # a continue still marked in flight after this long is taken as gone (a stream never started)
 KIND = "message_thread"
 MESSAGE_ID = re.compile(r"msg_[0-9a-f]{32}")
-_in_flight: set[str] = set()   # previous_message_ids being continued now (this process)
+_in_flight: dict[str, float] = {}   # previous_message_id -> when its continue started (this process)
 
 
 @dataclass
@@ -38,7 +40,15 @@ class Thread:
     system: Any = None
     tools: Any = None
     session: SessionRef | None = None        # the thread's session, for a continue
-    stored: list[dict] = field(default_factory=list)
+
+
+def _unmarked(value: Any) -> Any:
+    """``value`` without ``cache_control`` markers anywhere (Claude Code moves them every turn)."""
+    if isinstance(value, dict):
+        return {k: _unmarked(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [_unmarked(v) for v in value]
+    return value
 
 
 def _not_found(previous: str) -> APIError:
@@ -67,15 +77,21 @@ async def resume(log, owner: str, body: dict) -> Thread | None:
     if continued:
         raise APIError(400, f"the response {previous} has already been continued; continue from the thread's "
                             "latest response", param="thread.previous_message_id", error_code="thread_already_continued")
-    if previous in _in_flight:
-        raise APIError(400, f"another request is continuing from {previous}; wait for its response",
-                       param="thread.previous_message_id", error_code="thread_continue_in_flight")
-    differ = [f for f in ("system", "tools") if body.get(f) is not None and body[f] != stored.get(f)]
+    differ = [f for f in ("system", "tools") if body.get(f) is not None and _unmarked(body[f]) != _unmarked(stored.get(f))]
     if differ:
         raise APIError(400, f"{' and '.join(differ)} differ from the thread's: a continue takes them from the thread "
                             "(leave them out, or replay with thread: {\"type\": \"create\"} to change them)",
                        param=differ[0], error_code="thread_fingerprint_mismatch")
-    history = await asyncio.to_thread(log.response_conversation, previous)
+    since = _in_flight.get(previous)
+    if since is not None and time.monotonic() - since < IN_FLIGHT_S:
+        raise APIError(400, f"another request is continuing from {previous}; wait for its response",
+                       param="thread.previous_message_id", error_code="thread_continue_in_flight")
+    _in_flight[previous] = time.monotonic()   # checked and marked with no await between: one continue wins
+    try:
+        history = await asyncio.to_thread(log.response_conversation, previous)
+    except BaseException:
+        _in_flight.pop(previous, None)
+        raise
     new = list(body["messages"])
     body.update(messages=history + new, system=stored.get("system"), tools=stored.get("tools"))
     for name in ("system", "tools"):
@@ -85,18 +101,16 @@ async def resume(log, owner: str, body: dict) -> Thread | None:
 
 
 class Claim:
-    """A thread request in progress: while it runs, no other request continues from the same
-    response; ``done`` stores its finished response (or only lets go, for one that failed)."""
+    """A thread request in progress (a continue was marked in flight by ``resume``); ``done`` stores
+    its finished response (or only lets go, for one that failed)."""
 
     def __init__(self, log, thread: Thread):
         self.log, self.thread, self.session_key = log, thread, ""
         self._open = True
-        if thread.parent is not None:
-            _in_flight.add(thread.parent)
 
     def release(self) -> None:
         if self._open and self.thread.parent is not None:
-            _in_flight.discard(self.thread.parent)
+            _in_flight.pop(self.thread.parent, None)
         self._open = False
 
     async def done(self, message_id: str, content: list[dict] | None, stop_reason: str | None) -> None:

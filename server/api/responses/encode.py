@@ -214,9 +214,8 @@ def _whole_item(events: EventStream, index: int, item: dict) -> list[bytes]:
             events.encode("response.output_item.done", {"output_index": index, "item": item})]
 
 
-def _sse(chunks: AsyncIterator[bytes], session_id: str) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Session-Id": session_id})
+def _sse(chunks: AsyncIterator[bytes], headers: dict[str, str]) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
 
 
 def replay(response: dict, session_id: str) -> StreamingResponse:
@@ -230,7 +229,7 @@ def replay(response: dict, session_id: str) -> StreamingResponse:
                 yield chunk
         yield events.encode(f"response.{response['status']}", {"response": response})
 
-    return _sse(gen(), session_id)
+    return _sse(gen(), {"X-Session-Id": session_id})
 
 
 async def stream(turn: Turn, answer: Answer) -> Response:
@@ -272,4 +271,4 @@ async def stream(turn: Turn, answer: Answer) -> Response:
         yield events.encode(closing, {"response": response})
         await answer.done(response)
 
-    return _sse(gen(), turn.session_id)
+    return _sse(gen(), turn.headers())

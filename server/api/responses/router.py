@@ -90,7 +90,7 @@ def _check_model(model: str, served: str) -> None:
 async def _compact(request: Request, ctx, owner: str, ref: SessionRef, conversation: list[Message],
                    tools: list | None) -> tuple[Prepared, dict, dict]:
     """(prepared, the compaction item, usage) of compacting the whole conversation."""
-    prepared = await compact_now(request.app.state, ctx, owner, ref, conversation, tools)
+    prepared = await compact_now(request.app.state, ctx, owner, ref, conversation, tools, param="input")
     item = seal_of(request.app.state).item(owner, _after_header(prepared.messages))
     done = fired(prepared)
     before, written = prepared.report["prompt_tokens_before"], done["summary_tokens"] if done else 0
