@@ -232,8 +232,13 @@ async def paused(turn: Turn, model: str, compaction: dict, stream: bool, done: D
     body = {"id": message_id(), "type": "message", "role": "assistant", "model": model,
             "content": [compaction_block(compaction)], "stop_reason": "compaction", "stop_sequence": None,
             "usage": {"input_tokens": 0, "output_tokens": 0}, **extra}
+    return await _answered(body, turn, done)
+
+
+async def _answered(body: dict, turn: Turn, done: Done | None) -> JSONResponse:
+    """A whole message, stored first (``done``) where the request is a thread's."""
     if done:
-        await done(body["id"], body["content"], "compaction")
+        await done(body["id"], body["content"], body["stop_reason"])
     return JSONResponse(body, headers=turn.headers())
 
 
@@ -243,10 +248,7 @@ async def complete(turn: Turn, model: str, compaction: dict | None, done: Done |
         if done:
             await done("", None, None)
         return refusal(out, turn)
-    body = message(out.payload, compaction, turn.extra(out.server_tool_calls))
-    if done:
-        await done(body["id"], body["content"], body["stop_reason"])
-    return JSONResponse(body, headers=turn.headers())
+    return await _answered(message(out.payload, compaction, turn.extra(out.server_tool_calls)), turn, done)
 
 
 async def stream(turn: Turn, model: str, compaction: dict | None, done: Done | None = None) -> Response:
