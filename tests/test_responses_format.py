@@ -113,7 +113,7 @@ def test_compaction_item_replaces_what_came_before_and_is_authenticated():
                                               {"role": "user", "content": "next"}]
     version, payload, tag = item["encrypted_content"].split(".")
     flipped = payload[:10] + ("A" if payload[10] != "A" else "B") + payload[11:]
-    for bad, owner in [(f"{version}.{flipped}.{tag}", "o"), ("made-up", "o"),
+    for bad, owner in [(f"{version}.{flipped}.{tag}", "o"), ("made-up", "o"), (f"{version}.{payload}.{tag}\u00e9", "o"),
                        (item["encrypted_content"], "someone-else"),
                        (CompactionSeal(b"x" * 32).item("o", summary)["encrypted_content"], "o")]:
         with pytest.raises(APIError) as err:

@@ -76,10 +76,7 @@ def _load(path: Path) -> bytes:
     key = secrets.token_bytes(32)
     fd, tmp = tempfile.mkstemp(prefix=".compaction-key-", dir=path.parent)   # mode 0600
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(key)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_durably(fd, key)
         try:
             os.link(tmp, path)
         except FileExistsError:
@@ -89,14 +86,19 @@ def _load(path: Path) -> bytes:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileExistsError:
                 return _read(path)
-            with os.fdopen(fd, "wb") as f:
-                f.write(key)
-                f.flush()
-                os.fsync(f.fileno())
+            _write_durably(fd, key)
     finally:
         os.unlink(tmp)
     _sync_dir(path.parent)
     return key
+
+
+def _write_durably(fd: int, data: bytes) -> None:
+    """Write ``data`` to the open file ``fd``, on disk when this returns; closes it."""
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _read(path: Path) -> bytes:
@@ -147,16 +149,24 @@ class CompactionSeal:
                                   separators=(",", ":")).encode())
         return f"{VERSION}.{payload}.{self._tag(payload)}"
 
+    def _payload(self, sealed: object) -> str | None:
+        """The payload of ``akv1.<payload>.<tag>`` made with this key, or None for anything else
+        (altered, forged, not a string, non-ASCII included)."""
+        parts = sealed.split(".") if isinstance(sealed, str) else []
+        if len(parts) != 3 or parts[0] != VERSION or \
+                not hmac.compare_digest(parts[2].encode(errors="replace"), self._tag(parts[1]).encode()):
+            return None
+        return parts[1]
+
     def check_text(self, owner: str, text: str | None, signature: str) -> str | None:
         """None if ``signature`` was made here, for ``owner``, over ``text``; else Anthropic's error
         code: ``compaction_signature_invalid`` (altered, forged, another key's) or
         ``compaction_content_mismatch`` (a genuine signature, other text)."""
-        parts = signature.split(".") if isinstance(signature, str) else []
-        if len(parts) != 3 or parts[0] != VERSION or \
-                not hmac.compare_digest(parts[2].encode(errors="replace"), self._tag(parts[1]).encode()):
+        payload = self._payload(signature)
+        if payload is None:
             return "compaction_signature_invalid"
         try:
-            data = json.loads(_unb64(parts[1]))
+            data = json.loads(_unb64(payload))
         except (ValueError, binascii.Error):
             return "compaction_signature_invalid"
         if not isinstance(data, dict) or data.get("owner") != owner:
@@ -170,13 +180,12 @@ class CompactionSeal:
         """The messages an item stands for; 400 naming ``where.encrypted_content`` when the item
         was not made by this server for this caller, or was altered."""
         param = f"{where}.encrypted_content"
-        content = item.get("encrypted_content")
-        parts = content.split(".") if isinstance(content, str) else []
-        if len(parts) != 3 or parts[0] != VERSION or not hmac.compare_digest(parts[2], self._tag(parts[1])):
+        payload = self._payload(item.get("encrypted_content"))
+        if payload is None:
             raise APIError(400, "the compaction item was not made by this server or was altered",
                            param=param, code="invalid_encrypted_content")
         try:
-            data = json.loads(zlib.decompress(_unb64(parts[1])))
+            data = json.loads(zlib.decompress(_unb64(payload)))
         except (ValueError, zlib.error, binascii.Error):  # a valid tag on a bad payload: a key leak or a bug
             raise APIError(400, "the compaction item cannot be read", param=param,
                            code="invalid_encrypted_content") from None
