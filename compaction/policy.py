@@ -32,11 +32,17 @@ class ContextManagement(BaseModel):
         return edits
 
 
+def summary_limit(window: int) -> int:
+    """The length limit of a summary the server writes for a ``window``-token model: an eighth of
+    the window, 16 to 1,024 tokens."""
+    return max(16, min(1024, window // 8))
+
+
 def default_policy(window: int, clear_at: float = 0.5, compact_at: float = 0.75) -> ContextManagement:
     return ContextManagement(edits=[
         ClearToolUses(trigger=int(window * clear_at), keep=3, clear_at_least=int(window * 0.1)),
         Compact(trigger=int(window * compact_at), keep_recent_tokens=int(window * 0.3),
-                user_messages_tokens=int(window * 0.05), summary_max_tokens=max(16, min(1024, window // 8))),
+                user_messages_tokens=int(window * 0.05), summary_max_tokens=summary_limit(window)),
     ])
 
 

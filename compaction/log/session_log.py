@@ -159,11 +159,13 @@ class SessionLog(ABC):
         rows = self._execute("SELECT session, response FROM responses WHERE id=?", (response_id,))
         return (rows[0][0], json.loads(rows[0][1])) if rows else None
 
-    def response_status(self, response_id: str) -> tuple[str, float, bool] | None:
-        """(session, when it was stored, whether a later response continues it) of a stored response."""
-        rows = self._execute("SELECT r.session, r.created, EXISTS (SELECT 1 FROM responses c WHERE c.parent = r.id) "
+    def response_record(self, response_id: str) -> tuple[str, dict, float, bool] | None:
+        """(session, the response object, when it was stored, whether a later response continues it)
+        of a stored response."""
+        rows = self._execute("SELECT r.session, r.response, r.created, "
+                             "EXISTS (SELECT 1 FROM responses c WHERE c.parent = r.id) "
                              "FROM responses r WHERE r.id = ?", (response_id,))
-        return (rows[0][0], float(rows[0][1]), bool(rows[0][2])) if rows else None
+        return (rows[0][0], json.loads(rows[0][1]), float(rows[0][2]), bool(rows[0][3])) if rows else None
 
     def response_conversation(self, response_id: str) -> list[Message]:
         """The conversation through a stored response: the turns of its chain, oldest first (one query)."""

@@ -5,7 +5,7 @@ message, for the requests that ask for it outright rather than by a threshold (t
 from __future__ import annotations
 
 from ...compaction.config import Compact
-from ...compaction.policy import ContextManagement
+from ...compaction.policy import ContextManagement, summary_limit
 from ...compaction.prompt import Message
 from ...compaction.summarize import is_summary
 from ..errors import APIError
@@ -18,7 +18,7 @@ def explicit_policy(window: int, instructions: str | None = None) -> ContextMana
     """Everything after the system messages becomes the summary (the user's messages copied into it);
     ``instructions`` replace the summary prompt."""
     return ContextManagement(edits=[Compact(trigger=0, keep_recent_tokens=0, user_messages_tokens=window // 20,
-                                            summary_max_tokens=max(16, min(1024, window // 8)),
+                                            summary_max_tokens=summary_limit(window),
                                             instructions=instructions, always=True)])
 
 

@@ -5,10 +5,11 @@ goes on from it. The signature is the same sealed form as the Responses API's co
 bound to the API key and to the block's text.
 
 Named errors, as Anthropic's: ``compaction_block_misplaced`` (a signed block that is not the first
-block of the conversation), ``compaction_block_ambiguous`` (a signed block beside another one with
-content), ``compaction_signature_invalid`` (altered, forged, another key's), ``compaction_content_mismatch``
-(a genuine signature over other text), ``compaction_incomplete_turn`` (the conversation ends on a
-tool call not answered), ``compaction_nothing_to_summarize``. ``context_management``,
+block of the conversation), ``compaction_block_ambiguous`` (a signed block beside another signed
+one; an unsigned block is plain text to us), ``compaction_signature_invalid`` (altered, forged,
+another key's), ``compaction_content_mismatch`` (a genuine signature over other text),
+``compaction_incomplete_turn`` (the conversation ends on a tool call not answered),
+``compaction_nothing_to_summarize``. ``context_management``,
 ``stop_sequences`` and a forced ``tool_choice`` do not combine with it.
 """
 
@@ -20,7 +21,7 @@ from ...errors import APIError
 from ...pipeline.compact import compact_now, fired, summary_of
 from ...pipeline.compaction_item import CompactionSeal
 from ...pipeline.context import Prepared
-from .encode import message_id, sse
+from .encode import compaction_message, sse
 
 
 def _refuse(message: str, error_code: str | None = None, param: str | None = None) -> APIError:
@@ -88,9 +89,7 @@ def respond(model: str, prepared: Prepared, block: dict, stream: bool, headers: 
     done = fired(prepared)
     usage = {"input_tokens": prepared.report["prompt_tokens_before"],
              "output_tokens": done["summary_tokens"] if done else 0}
-    message = {"id": message_id(), "type": "message", "role": "assistant", "model": model, "content": [block],
-               "stop_reason": "compaction", "stop_sequence": None, "usage": usage,
-               "context_management": prepared.report}
+    message = compaction_message(model, block, usage, {"context_management": prepared.report})
     if not stream:
         return JSONResponse(message, headers=headers)
     start = {**message, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 0}}

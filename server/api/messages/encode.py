@@ -52,6 +52,12 @@ def compaction_block(summary: dict) -> dict:
     return {"type": "compaction", "content": summary["content"]}
 
 
+def compaction_message(model: str, block: dict, usage_: dict, extra: dict) -> dict:
+    """A message that holds one compaction block and no reply (``stop_reason: "compaction"``)."""
+    return {"id": message_id(), "type": "message", "role": "assistant", "model": model, "content": [block],
+            "stop_reason": "compaction", "stop_sequence": None, "usage": usage_, **extra}
+
+
 def _tool_input(arguments: str | None) -> dict:
     try:
         value = json.loads(arguments or "{}")
@@ -229,9 +235,7 @@ async def paused(turn: Turn, model: str, compaction: dict, stream: bool, done: D
         if done:
             await done(enc.id, enc.content(), "compaction")
         return StreamingResponse(iter(events), media_type="text/event-stream", headers=turn.headers())
-    body = {"id": message_id(), "type": "message", "role": "assistant", "model": model,
-            "content": [compaction_block(compaction)], "stop_reason": "compaction", "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0}, **extra}
+    body = compaction_message(model, compaction_block(compaction), {"input_tokens": 0, "output_tokens": 0}, extra)
     return await _answered(body, turn, done)
 
 

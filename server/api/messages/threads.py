@@ -67,11 +67,10 @@ async def resume(log, owner: str, body: dict) -> Thread | None:
     if thread["type"] == "create":
         return Thread(None, list(body["messages"]), body.get("system"), body.get("tools"))
     previous = thread["previous_message_id"]
-    status = await asyncio.to_thread(log.response_status, previous) if MESSAGE_ID.fullmatch(previous) else None
-    if status is None or not status[0].startswith(f"{owner}/"):
+    record = await asyncio.to_thread(log.response_record, previous) if MESSAGE_ID.fullmatch(previous) else None
+    if record is None or not record[0].startswith(f"{owner}/"):
         raise _not_found(previous)
-    key, created, continued = status
-    stored = (await asyncio.to_thread(log.get_response, previous))[1]
+    key, stored, created, continued = record
     if stored.get("kind") != KIND or time.time() - created > TTL_S:
         raise _not_found(previous)
     if continued:

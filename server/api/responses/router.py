@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ....compaction.config import Compact
-from ....compaction.policy import ContextManagement
+from ....compaction.policy import ContextManagement, summary_limit
 from ....compaction.prompt import Message
 from ....compaction.summarize import is_summary
 from ...errors import APIError
@@ -78,7 +78,7 @@ def _policy(req: ResponsesRequest, window: int, compact_at: float) -> tuple[Cont
         return None, False
     n = cm[-1].compact_threshold or int(window * compact_at)
     return ContextManagement(edits=[Compact(trigger=n, keep_recent_tokens=int(n * 0.4), user_messages_tokens=n // 15,
-                                            summary_max_tokens=max(16, min(1024, window // 8)))]), True
+                                            summary_max_tokens=summary_limit(window))]), True
 
 
 def _check_model(model: str, served: str) -> None:
