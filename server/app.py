@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from ..compaction.log.open import open_session_log
+from ..compaction.log.open import is_postgres_url, open_session_log
 from .api import completions, models, sessions
 from .api.chat import router as chat
 from .api.deps import Authorized, SupervisorDep, warm_context
@@ -23,6 +24,9 @@ from .limits import BodyLimit
 from .metrics import RequestMetrics, render
 from .pipeline.compaction_item import CompactionSeal, load_key
 from .pipeline.sessions import Sessions
+
+
+log = logging.getLogger("agentkv.app")
 
 
 def create_app(cfg: ServeConfig) -> FastAPI:
@@ -39,6 +43,10 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app.state.supervisor = Supervisor(cfg)
     app.state.sessions = Sessions(open_session_log(cfg.session_db_path))
     app.state.compaction_seal = CompactionSeal(load_key(path=cfg.compaction_key_file))
+    if is_postgres_url(cfg.session_db_path) and not cfg.compaction_key_file:
+        log.warning("the session log is on PostgreSQL, which replicas share, but --compaction-key-file is not set: "
+                    "this replica signs compaction items with a key of its own (in $AGENTKV_HOME), and the other "
+                    "replicas will refuse them; give every replica the same key file (README, \"Deployment\")")
     app.state.context = None
     app.state.context_lock = threading.Lock()
     install_error_handlers(app)

@@ -206,3 +206,21 @@ def test_a_conversation_without_an_id_never_lands_in_an_explicit_branch(log_targ
     sessions.sync("o", SessionRef(fork.id, "x-session-id"), conv("hi", "two"))      # a branch "<fork>#1"
     again = sessions.sync("o", SessionRef(None), conv("hi", "two") + [{"role": "assistant", "content": "x"}])
     assert "#" not in again.key and again.key != fork.key
+
+
+def test_a_claim_has_one_holder_across_processes_sharing_the_log(log_target):
+    """What keeps one message-thread continue at a time on every replica: two connections to one
+    log (two processes), concurrent claimers, one winner; released or expired, it can be taken again."""
+    one, two = open_session_log(log_target), open_session_log(log_target)
+    wins: list[bool] = []
+    threads = [threading.Thread(target=lambda log=log: wins.append(log.claim("thread-continue:msg_a", 60)))
+               for log in (one, two, one, two)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(wins) == [False, False, False, True]
+    two.release("thread-continue:msg_a")
+    assert one.claim("thread-continue:msg_a", 0.0) and two.claim("thread-continue:msg_b", 60)
+    assert two.claim("thread-continue:msg_a", 60)   # the first one's claim expired at once
+    assert not one.claim("thread-continue:msg_b", 60)

@@ -177,6 +177,19 @@ class SessionLog(ABC):
         return [m for (turn,) in rows for m in json.loads(turn)]
 
 
+    # -- claims: work that one process at a time may do, whichever replica it runs on ----------
+    def claim(self, name: str, ttl_s: float) -> bool:
+        """Take the claim ``name`` for ``ttl_s`` seconds; False while another holder's has not
+        expired. One statement: of every process sharing this log, one wins."""
+        now = time.time()
+        return bool(self._execute(
+            "INSERT INTO claims (name, expires) VALUES (?, ?) ON CONFLICT (name) DO UPDATE "
+            "SET expires = excluded.expires WHERE claims.expires < ? RETURNING name", (name, now + ttl_s, now)))
+
+    def release(self, name: str) -> None:
+        self._execute("DELETE FROM claims WHERE name = ?", (name,))
+
+
 def _states_like(run: Callable, sql: str, session: str, sep: str) -> dict[str, dict]:
     assert sep < "/", sep   # the key range [session, session + "/") holds session<sep>*; the filter is exact
     rows = run(sql, (session, session + "/"))

@@ -40,6 +40,9 @@ CREATE TABLE IF NOT EXISTS responses (        -- Responses API, store: true (see
     created REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS responses_parent ON responses (parent);
+CREATE TABLE IF NOT EXISTS claims (           -- work one process at a time may do (SessionLog.claim)
+    name TEXT PRIMARY KEY, expires REAL NOT NULL
+);
 CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts
     USING fts5(body, call, content='messages', content_rowid='id', tokenize='unicode61');
 CREATE TRIGGER IF NOT EXISTS messages_ai AFTER INSERT ON messages BEGIN

@@ -7,8 +7,8 @@ conversation is rebuilt from the stored chain (the session log database: the sav
 request runs as if the client had sent it whole. As Anthropic documents: a thread expires 5 minutes
 after its last response (``thread_not_found``, 404: the client replays with ``create``); a response
 is continued once (``thread_already_continued``) and by one request at a time
-(``thread_continue_in_flight``: checked in this process; replicas sharing one log each check their
-own); ``system`` and ``tools`` come from the thread, and a continue that sends other ones is refused
+(``thread_continue_in_flight``: a claim in the session log, so replicas sharing one log agree);
+``system`` and ``tools`` come from the thread, and a continue that sends other ones is refused
 (``thread_fingerprint_mismatch``; ``cache_control`` markers aside). A thread belongs to the API key
 that made it: any other key gets the same 404 as for an id that does not exist.
 """
@@ -16,6 +16,7 @@ that made it: any other key gets the same 404 as for an id that does not exist.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -24,11 +25,16 @@ from typing import Any
 from ...errors import APIError
 from ...pipeline.sessions import SessionRef
 
+logger = logging.getLogger("agentkv.threads")
 TTL_S = 300.0
 IN_FLIGHT_S = 600.0   # a continue still marked in flight after this long is taken as gone (a stream never started)
 KIND = "message_thread"
 MESSAGE_ID = re.compile(r"msg_[0-9a-f]{32}")
-_in_flight: dict[str, float] = {}   # previous_message_id -> when its continue started (this process)
+
+
+def _claim_name(previous: str) -> str:
+    """The session log claim a continue of ``previous`` holds while it runs."""
+    return f"thread-continue:{previous}"
 
 
 @dataclass
@@ -81,15 +87,13 @@ async def resume(log, owner: str, body: dict) -> Thread | None:
         raise APIError(400, f"{' and '.join(differ)} differ from the thread's: a continue takes them from the thread "
                             "(leave them out, or replay with thread: {\"type\": \"create\"} to change them)",
                        param=differ[0], error_code="thread_fingerprint_mismatch")
-    since = _in_flight.get(previous)
-    if since is not None and time.monotonic() - since < IN_FLIGHT_S:
+    if not await asyncio.to_thread(log.claim, _claim_name(previous), IN_FLIGHT_S):   # one continue wins
         raise APIError(400, f"another request is continuing from {previous}; wait for its response",
                        param="thread.previous_message_id", error_code="thread_continue_in_flight")
-    _in_flight[previous] = time.monotonic()   # checked and marked with no await between: one continue wins
     try:
         history = await asyncio.to_thread(log.response_conversation, previous)
     except BaseException:
-        _in_flight.pop(previous, None)
+        _release(log, previous)
         raise
     new = list(body["messages"])
     body.update(messages=history + new, system=stored.get("system"), tools=stored.get("tools"))
@@ -109,7 +113,7 @@ class Claim:
 
     def release(self) -> None:
         if self._open and self.thread.parent is not None:
-            _in_flight.pop(self.thread.parent, None)
+            _release(self.log, self.thread.parent)
         self._open = False
 
     async def done(self, message_id: str, content: list[dict] | None, stop_reason: str | None) -> None:
@@ -121,6 +125,21 @@ class Claim:
                                         {"kind": KIND, "system": self.thread.system, "tools": self.thread.tools})
         finally:
             self.release()
+
+
+def _release(log, previous: str) -> None:
+    """Let go of a continue's claim, off the event loop (a database round trip) and without waiting
+    for it: this runs on every way out of a request, cancellation included."""
+    def release() -> None:
+        try:
+            log.release(_claim_name(previous))
+        except Exception as exc:   # the claim then expires by itself (IN_FLIGHT_S)
+            logger.warning("could not release the thread claim of %s: %s", previous, exc)
+
+    try:
+        asyncio.get_running_loop().run_in_executor(None, release)
+    except RuntimeError:   # no event loop: here and now
+        release()
 
 
 def claim(log, thread: Thread | None) -> Claim | None:
