@@ -43,8 +43,8 @@ async def run_session(client, model: str, sid: str, turns: int, lines: int, max_
     rng = random.Random(seed)
     messages = [{"role": "system", "content": "You are an agent. Use bash to inspect the services."},
                 {"role": "user", "content": f"Session {sid}: find the slow service."}]
-    rec = {"session": sid, "latencies": [], "prompt_tokens": [], "errors": [], "cleared": 0, "sent": None,
-           "kv": []}
+    rec = {"session": sid, "latencies": [], "prompt_tokens": [], "cached_tokens": [], "errors": [], "cleared": 0,
+           "sent": None, "kv": []}
     for turn in range(turns):
         t0 = time.perf_counter()
         try:
@@ -57,6 +57,8 @@ async def run_session(client, model: str, sid: str, turns: int, lines: int, max_
             break
         rec["latencies"].append(time.perf_counter() - t0)
         rec["prompt_tokens"].append(reply.usage.prompt_tokens if reply.usage else 0)
+        details = reply.usage.prompt_tokens_details if reply.usage else None
+        rec["cached_tokens"].append((details.cached_tokens or 0) if details else 0)
         report = (reply.model_extra or {}).get("context_management") or {}
         rec["cleared"] += bool(report.get("applied_edits"))
         rec["kv"] += [e["kv"] for e in report.get("applied_edits", []) if "kv" in e][:1]
@@ -102,6 +104,7 @@ async def measure(url: str, api_key: str | None, model: str, sessions: int, turn
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
         complete = [await check_log(http, r) for r in recs]
     lat = np.array([x for r in recs for x in r["latencies"]])
+    hit_rates = [hit_rate(r) for r in recs]
     kv = [k for r in recs for k in r["kv"]]
     fallbacks: dict[str, int] = {}
     for k in kv:
@@ -116,9 +119,18 @@ async def measure(url: str, api_key: str | None, model: str, sessions: int, turn
             "latency_p50_s": float(np.percentile(lat, 50)) if lat.size else None,
             "latency_p99_s": float(np.percentile(lat, 99)) if lat.size else None,
             "requests_with_clearing": sum(r["cleared"] for r in recs),
+            "session_hit_rates": hit_rates, "hit_rate_mean": float(np.mean(hit_rates)) if hit_rates else None,
+            "hit_rate_min": min(hit_rates, default=None),
             "logs_complete": sum(complete), "max_prompt_tokens": max((max(r["prompt_tokens"], default=0) for r in recs)),
             "latencies_s": lat.tolist(),
             "per_turn": [{"prompt_tokens": p, "latency_s": x} for r in recs for p, x in zip(r["prompt_tokens"], r["latencies"])]}
+
+
+def hit_rate(rec: dict) -> float:
+    """A session's prefix-cache hit rate after its first turn: the share of its prompt tokens whose
+    K/V the engine had (prefix cache or KV connector) on turns 2..n."""
+    prompt, cached = sum(rec["prompt_tokens"][1:]), sum(rec["cached_tokens"][1:])
+    return cached / prompt if prompt else 0.0
 
 
 def plot(res: dict, title: str):
@@ -161,11 +173,12 @@ def main(argv: list[str] | None = None) -> dict:
     fig = plot(res, f"load: {sessions} sessions x {turns} turns, kv_reuse {args.kv_reuse}, {model}\n{machine_line(m)}")
     jpath, ppath = write_results(name, result, fig, args.out)
     print_table(f"load ({model}, {sessions} sessions x {turns} turns, kv_reuse {args.kv_reuse})",
-                ["requests", "errors", "req/s", "p50 s", "p99 s", "with clearing", "logs complete", "KV reused",
-                 "KV fallbacks"],
+                ["requests", "errors", "req/s", "p50 s", "p99 s", "with clearing", "logs complete", "hit rate mean",
+                 "hit rate min", "KV reused", "KV fallbacks"],
                 [[res["requests"], res["errors"], res["requests_per_s"], res["latency_p50_s"] or "",
                   res["latency_p99_s"] or "", res["requests_with_clearing"], f"{res['logs_complete']}/{sessions}",
-                  res["kv_reused_tokens"], json.dumps(res["kv_fallbacks"])]],
+                  res["hit_rate_mean"] or 0.0, res["hit_rate_min"] or 0.0, res["kv_reused_tokens"],
+                  json.dumps(res["kv_fallbacks"])]],
                 machine_line(m))
     for e in res["error_messages"]:
         print("error:", e)

@@ -134,6 +134,17 @@ def _load(r: dict) -> str:
     return table(cols, [row])
 
 
+def _replicas(r: dict) -> str:
+    cols = ["arm", "requests", "errors", "prefix-cache hit rate per session: mean", "min", "KV edits",
+            "KV reused tokens", "KV fallbacks (reason: edits)", "responses per replica (log reads included)",
+            "logs complete", "latency p50 s"]
+    return table(cols, [[name, a["requests"], a["errors"], _pct(a["hit_rate_mean"]), _pct(a["hit_rate_min"]),
+                         a["kv_edits"], a["kv_reused_tokens"],
+                         ", ".join(f"{k}: {v}" for k, v in sorted(a["kv_fallbacks"].items())) or "none",
+                         " / ".join(str(v) for _, v in sorted(a["served_by"].items())) if "served_by" in a else "all",
+                         f"{a['logs_complete']}/{r['sessions']}", a["latency_p50_s"]] for name, a in r["arms"].items()])
+
+
 def _connector_cost(r: dict) -> str:
     goal = f"goal {r['goal']:.0%}"
     head = table(["metric", "median on", "median off", "median paired on/off", "pairs", "cost", goal],
@@ -212,7 +223,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "kernel": _kernel, "kv-memory": _kv_memory, "decode-throughput": _decode, "delayed-recall": _delayed_recall,
     "probe": _probe, "clear-vs-recompute": _clear_vs_recompute, "load": _load, "load-shift": _load,
     "load-blend": _load, "connector-cost": _connector_cost, "front": _front, "fidelity": _fidelity,
-    "gpu_check": _gpu_check, "gpu-prefill": _gpu_prefill,
+    "gpu_check": _gpu_check, "gpu-prefill": _gpu_prefill, "replicas": _replicas,
 }
 
 

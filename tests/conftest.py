@@ -159,6 +159,22 @@ def postgres_url(tmp_path_factory):
     subprocess.run([script, "stop", str(pgdir)], capture_output=True)
 
 
+@pytest.fixture(scope="session")
+def haproxy() -> str:
+    """HAProxy, the router of deploy/router/: Debian's package, installed here first where it is
+    missing and this runs as root (as .ci/postgres does for PostgreSQL)."""
+    from agentkv.benchmarks.router import find_haproxy as find
+
+    if find() is None and os.geteuid() == 0:
+        subprocess.run(["bash", "-c", "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy"],
+                       capture_output=True, timeout=600)
+    if find() is None:
+        if os.environ.get("CI"):
+            pytest.fail("HAProxy could not be installed (Debian package haproxy)")
+        pytest.skip("no HAProxy here (Debian: apt-get install haproxy)")
+    return find()
+
+
 @contextlib.contextmanager
 def new_database(postgres_url: str):
     """The URL of a new, empty UTF-8 database on that server, dropped afterwards."""

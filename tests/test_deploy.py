@@ -50,12 +50,21 @@ def test_manifest_is_valid_kubernetes(path, version):
 
 
 def _by_kind() -> dict[str, dict]:
-    return {d["kind"]: d for p in MANIFESTS for d in _docs(p)}
+    """Each kind's object named `agentkv`, or its only object."""
+    out: dict[str, dict] = {}
+    for d in (d for p in MANIFESTS for d in _docs(p)):
+        if d["kind"] not in out or d["metadata"]["name"] == "agentkv":
+            out[d["kind"]] = d
+    return out
+
+
+def _named(kind: str, name: str) -> dict:
+    return next(d for p in MANIFESTS for d in _docs(p) if d["kind"] == kind and d["metadata"]["name"] == name)
 
 
 def test_deployment_gpus_probes_and_flags():
     kinds = _by_kind()
-    dep, svc, ing = kinds["Deployment"], kinds["Service"], kinds["Ingress"]
+    dep, svc = kinds["Deployment"], _named("Service", "agentkv-replicas")
     pod = dep["spec"]["template"]
     container = pod["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] >= 1
@@ -70,9 +79,7 @@ def test_deployment_gpus_probes_and_flags():
                                                                    for n in env if n.startswith("AGENTKV_"))
     assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert container["ports"][0]["containerPort"] == 8000
-    backend = ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
-    assert backend["name"] == svc["metadata"]["name"]
-    assert ing["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"] == affinity_key()
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["ports"][0]["port"] == 8000   # the router resolves it
     secret = kinds["Secret"]["stringData"]
     refs = {e["valueFrom"]["secretKeyRef"]["key"] for e in container["env"] if "valueFrom" in e}
     assert refs <= secret.keys()
@@ -85,21 +92,63 @@ def test_deployment_gpus_probes_and_flags():
     assert key_file == f"{mount['mountPath']}/{item['path']}"
 
 
-def affinity_key() -> str:
-    """nginx's hash key for the session headers agentkv reads, in its precedence order."""
-    headers = [name for name, _, _ in SOURCES if "-" in name]   # header names; body fields have none
-    return "".join("$http_" + h.replace("-", "_") for h in headers)
+ROUTER_CFG = DEPLOY / "router" / "haproxy.cfg"
 
 
-def test_affinity_follows_the_session_precedence():
-    assert affinity_key() == "$http_x_session_id$http_x_claude_code_session_id$http_session_id$http_thread_id"
+def router_sources() -> list[str]:
+    """The session ids the router keys on, in its order, named as agentkv's ``SOURCES`` name them."""
+    names = []
+    for expr in re.findall(r"^\s*http-request set-var\(txn\.sid\) (\S+)", ROUTER_CFG.read_text(), re.M):
+        header = re.fullmatch(r"req\.hdr\(([\w-]+)\)", expr)
+        body = re.findall(r"json_query\('\$\.([\w.]+)'\)", expr)
+        name = header.group(1) if header else ".".join(body[:1]) if body[0] != "metadata.user_id" else "metadata.user_id"
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def test_router_follows_the_session_precedence():
+    """The router reads every session id agentkv reads, in agentkv's order (a conversation's turns
+    then share a routing key whenever they share a session)."""
+    assert router_sources() == [name for name, _, _ in SOURCES]
+
+
+def test_router_config_is_valid_haproxy(haproxy):
+    run = subprocess.run([haproxy, "-c", "-f", str(ROUTER_CFG)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_router_manifest_matches_its_config_and_the_services():
+    router, svc = _named("Deployment", "agentkv-router"), _named("Service", "agentkv")
+    ing, replicas = _by_kind()["Ingress"], _named("Service", "agentkv-replicas")
+    pod = router["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    cfg = ROUTER_CFG.read_text()
+    assert container["image"].startswith("haproxy:")
+    assert container["readinessProbe"]["httpGet"]["path"] == re.search(r"monitor-uri (\S+)", cfg).group(1)
+    assert {p["containerPort"] for p in container["ports"]} == {8000, 8404}   # the config's default binds
+    assert re.search(r"AGENTKV_ROUTER_BIND-:8000\}", cfg) and re.search(r"AGENTKV_ROUTER_STATS_BIND-:8404\}", cfg)
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["AGENTKV_REPLICA_HOST"] == replicas["metadata"]["name"]
+    (volume,) = pod["spec"]["volumes"]
+    (mount,) = container["volumeMounts"]
+    assert volume["configMap"]["items"] == [{"key": "haproxy.cfg", "path": "haproxy.cfg"}]
+    assert mount["mountPath"] == "/usr/local/etc/haproxy"   # the haproxy image's configuration path
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    backend = ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend["name"] == svc["metadata"]["name"]
 
 
 def test_compose_file_follows_the_compose_spec():
     text = (DEPLOY / "docker-compose.yml").read_text()
     spec = compose_spec.PyCompose.from_yaml(text)  # strict: an unknown key is an error
     services = yaml.safe_load(text)["services"]
-    assert {"agentkv", "agentkv-cpu", "postgres"} <= set(spec.services)
+    assert {"agentkv", "agentkv-cpu", "postgres", "router"} <= set(spec.services)
+    router = services["router"]
+    assert router["image"].startswith("haproxy:") and "8000:8000" in router["ports"]
+    src = router["volumes"][0].split(":")[0]
+    assert (DEPLOY / src).resolve() == ROUTER_CFG
+    assert re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", router["environment"]["AGENTKV_REPLICA_HOST"]) in services
     gpu = services["agentkv"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
     for name in ("agentkv", "agentkv-cpu"):
