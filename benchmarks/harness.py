@@ -103,9 +103,7 @@ class Endpoint:
     def _start(self) -> None:
         import subprocess
         import sys
-        import time
 
-        import httpx
 
         from ..server.engine.process import free_port
 
@@ -113,17 +111,7 @@ class Endpoint:
         self.proc = subprocess.Popen([sys.executable, "-m", "agentkv.server.cli", "serve", "--port", str(port),
                                       *self.serve_args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"agentkv serve exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
-        raise RuntimeError("agentkv serve did not become healthy")
+        wait_ready(self.proc, f"{self.url}/health", 900, "agentkv serve")
 
     def http(self, timeout: float = 600):
         import httpx
@@ -134,6 +122,30 @@ class Endpoint:
     def model(self) -> dict:
         with self.http() as h:
             return h.get("/v1/models").json()["data"][0]
+
+
+def wait_ready(proc, url: str, timeout_s: float, name: str, log_path: Path | None = None) -> None:
+    """Wait until ``url`` answers 200; an error naming ``name`` (and the end of its log) if ``proc``
+    exits first or ``timeout_s`` passes."""
+    import time
+
+    import httpx
+
+    def tail() -> str:
+        return ":\n" + log_path.read_text(errors="replace")[-3000:] if log_path else ""
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}{tail()}")
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} was not ready within {timeout_s:.0f} s{tail()}")
+        time.sleep(0.5)
 
 
 def add_endpoint_args(ap) -> None:

@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -19,6 +18,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ..server.engine.process import free_port
+from .harness import wait_ready
 
 CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "router" / "haproxy.cfg"
 _TEMPLATE = re.compile(r"^(\s*)server-template .*$", re.M)
@@ -81,20 +81,8 @@ def run_router(replicas: list[str], workdir: Path | None = None, config: str | N
         proc = subprocess.Popen([exe, "-db", "-f", str(cfg)], env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     router = Router(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{stats}", log_path)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"haproxy exited with {proc.returncode}:\n{log_path.read_text(errors='replace')[-3000:]}")
-            try:
-                if httpx.get(f"{router.url}/router/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the router saw no replica up within {timeout_s:.0f} s:\n"
-                                   f"{log_path.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.5)
+    try:   # ready once it sees a replica up
+        wait_ready(proc, f"{router.url}/router/health", timeout_s, "the router", log_path)
         yield router
     finally:
         if proc.poll() is None:

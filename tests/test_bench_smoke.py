@@ -85,3 +85,19 @@ def test_quick_front_benchmark_writes_results(server, tmp_path):
         cpu = row["cpu_us_per_event"]
         assert set(cpu) == {"front", "vllm api server", "engine core", "worker"} and min(cpu.values()) >= 0
         assert sum(cpu.values()) > 0
+
+
+def test_quick_replicas_benchmark_writes_results(haproxy, tmp_path):
+    """Two tiny-model replicas of its own, one replica alone, then the deployed router, then round
+    robin: every arm answers every request and keeps every log; the router spreads sessions."""
+    main(["bench", "replicas", "--quick", "--model", "agentkv-tiny", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "replicas-quick.json").read_text())
+    assert (tmp_path / "replicas-quick.png").stat().st_size > 1000
+    assert result["machine"]["cpu"] and result["model"] == "agentkv-tiny"
+    arms = result["arms"]
+    assert list(arms) == ["one replica", "router, 2 replicas", "round robin, 2 replicas"]
+    for arm in arms.values():
+        assert (arm["requests"], arm["errors"], arm["logs_complete"]) == (16, 0, 4)
+        assert len(arm["session_hit_rates"]) == 4 and all(0 <= h <= 1 for h in arm["session_hit_rates"])
+    assert set(arms["round robin, 2 replicas"]["served_by"]) == {"replica1", "replica2"}
+    assert arms["router, 2 replicas"]["hit_rate_mean"] > 0
