@@ -99,7 +99,7 @@ def router_sources() -> list[str]:
     """The session ids the router keys on, in its order, named as agentkv's ``SOURCES`` name them."""
     names = []
     for expr in re.findall(r"^\s*http-request set-var\(txn\.sid\) (\S+)", ROUTER_CFG.read_text(), re.M):
-        header = re.fullmatch(r"req\.hdr\(([\w-]+)\)", expr)
+        header = re.fullmatch(r"req\.fhdr\(([\w-]+),1\)", expr)
         body = re.findall(r"json_query\('\$\.([\w.]+)'\)", expr)
         name = header.group(1) if header else ".".join(body[:1]) if body[0] != "metadata.user_id" else "metadata.user_id"
         if name not in names:
@@ -128,8 +128,11 @@ def test_router_manifest_matches_its_config_and_the_services():
     assert container["readinessProbe"]["httpGet"]["path"] == re.search(r"monitor-uri (\S+)", cfg).group(1)
     assert {p["containerPort"] for p in container["ports"]} == {8000, 8404}   # the config's default binds
     assert re.search(r"AGENTKV_ROUTER_BIND-:8000\}", cfg) and re.search(r"AGENTKV_ROUTER_STATS_BIND-:8404\}", cfg)
-    env = {e["name"]: e["value"] for e in container["env"]}
-    assert env["AGENTKV_REPLICA_HOST"] == replicas["metadata"]["name"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    # HAProxy's resolver uses no search domains: the Service by its full name, in the router's namespace
+    assert env["AGENTKV_REPLICA_HOST"] == f"{replicas['metadata']['name']}.$(POD_NAMESPACE).svc.cluster.local"
+    namespace = next(e for e in container["env"] if e["name"] == "POD_NAMESPACE")
+    assert namespace["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
     (volume,) = pod["spec"]["volumes"]
     (mount,) = container["volumeMounts"]
     assert volume["configMap"]["items"] == [{"key": "haproxy.cfg", "path": "haproxy.cfg"}]

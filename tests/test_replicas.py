@@ -210,14 +210,17 @@ def test_a_replica_killed_mid_turn_loses_no_logged_message(cluster):
     victim, survivor = cluster.replicas[home], cluster.replicas[1 - home]
     messages.append({"role": "user", "content": "turn 2: write the whole report"})
     client = openai.OpenAI(base_url=f"{cluster.router.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    killed = False
     with pytest.raises((openai.APIError, httpx.HTTPError)):
         stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4000, stream=True,
                                                 temperature=0, extra_headers={"X-Session-Id": sid})
-        for i, _ in enumerate(stream):
-            if i == 3:   # the turn is under way on the victim: kill its front and engine at once
+        for _ in stream:
+            if not killed:   # the turn is under way on the victim: kill its front and engine at once
                 proc = psutil.Process(victim.proc.pid)
                 for p in [proc, *proc.children(recursive=True)]:
                     p.kill()
+                killed = True
+    assert killed
     victim.proc.wait(timeout=30)
     retried = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
                                              extra_headers={"X-Session-Id": sid})

@@ -210,17 +210,23 @@ def test_a_conversation_without_an_id_never_lands_in_an_explicit_branch(log_targ
 
 def test_a_claim_has_one_holder_across_processes_sharing_the_log(log_target):
     """What keeps one message-thread continue at a time on every replica: two connections to one
-    log (two processes), concurrent claimers, one winner; released or expired, it can be taken again."""
+    log (two processes), concurrent claimers, one winner; released or expired, it can be taken
+    again, and a holder whose claim expired and was taken cannot release the new holder's."""
     one, two = open_session_log(log_target), open_session_log(log_target)
-    wins: list[bool] = []
-    threads = [threading.Thread(target=lambda log=log: wins.append(log.claim("thread-continue:msg_a", 60)))
+    won: list[str | None] = []
+    threads = [threading.Thread(target=lambda log=log: won.append(log.claim("thread-continue:msg_a", 60)))
                for log in (one, two, one, two)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert sorted(wins) == [False, False, False, True]
-    two.release("thread-continue:msg_a")
-    assert one.claim("thread-continue:msg_a", 0.0) and two.claim("thread-continue:msg_b", 60)
-    assert two.claim("thread-continue:msg_a", 60)   # the first one's claim expired at once
-    assert not one.claim("thread-continue:msg_b", 60)
+    (holder,) = [h for h in won if h]
+    assert won.count(None) == 3
+    two.release("thread-continue:msg_a", holder)
+    first = one.claim("thread-continue:msg_a", 0.0)
+    assert first and two.claim("thread-continue:msg_b", 60)
+    second = two.claim("thread-continue:msg_a", 60)   # the first one's claim expired at once
+    assert second
+    one.release("thread-continue:msg_a", first)       # too late: the claim is the second holder's
+    assert one.claim("thread-continue:msg_a", 60) is None
+    assert one.claim("thread-continue:msg_b", 60) is None

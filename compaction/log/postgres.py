@@ -44,7 +44,7 @@ CREATE TABLE IF NOT EXISTS responses (
     created DOUBLE PRECISION NOT NULL
 );
 CREATE INDEX IF NOT EXISTS responses_parent ON responses (parent);
-CREATE TABLE IF NOT EXISTS claims (name TEXT PRIMARY KEY, expires DOUBLE PRECISION NOT NULL);
+CREATE TABLE IF NOT EXISTS claims (name TEXT PRIMARY KEY, holder TEXT NOT NULL, expires DOUBLE PRECISION NOT NULL);
 """
 MAX_TERMS_CHARS = 256 * 1024
 SCHEMA_LOCK = 0x6167656E746B76  # "agentkv": replicas starting together create the schema once

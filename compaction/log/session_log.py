@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -178,16 +179,19 @@ class SessionLog(ABC):
 
 
     # -- claims: work that one process at a time may do, whichever replica it runs on ----------
-    def claim(self, name: str, ttl_s: float) -> bool:
-        """Take the claim ``name`` for ``ttl_s`` seconds; False while another holder's has not
-        expired. One statement: of every process sharing this log, one wins."""
-        now = time.time()
-        return bool(self._execute(
-            "INSERT INTO claims (name, expires) VALUES (?, ?) ON CONFLICT (name) DO UPDATE "
-            "SET expires = excluded.expires WHERE claims.expires < ? RETURNING name", (name, now + ttl_s, now)))
+    def claim(self, name: str, ttl_s: float) -> str | None:
+        """Take the claim ``name`` for ``ttl_s`` seconds: its holder token, or None while another
+        holder's has not expired. One statement: of every process sharing this log, one wins."""
+        now, holder = time.time(), secrets.token_hex(8)
+        won = self._execute(
+            "INSERT INTO claims (name, holder, expires) VALUES (?, ?, ?) ON CONFLICT (name) DO UPDATE "
+            "SET holder = excluded.holder, expires = excluded.expires WHERE claims.expires < ? RETURNING name",
+            (name, holder, now + ttl_s, now))
+        return holder if won else None
 
-    def release(self, name: str) -> None:
-        self._execute("DELETE FROM claims WHERE name = ?", (name,))
+    def release(self, name: str, holder: str) -> None:
+        """Let go of a claim this holder still has (one that expired and was taken since is left)."""
+        self._execute("DELETE FROM claims WHERE name = ? AND holder = ?", (name, holder))
 
 
 def _states_like(run: Callable, sql: str, session: str, sep: str) -> dict[str, dict]:

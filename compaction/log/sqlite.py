@@ -41,7 +41,7 @@ CREATE TABLE IF NOT EXISTS responses (        -- Responses API, store: true (see
 );
 CREATE INDEX IF NOT EXISTS responses_parent ON responses (parent);
 CREATE TABLE IF NOT EXISTS claims (           -- work one process at a time may do (SessionLog.claim)
-    name TEXT PRIMARY KEY, expires REAL NOT NULL
+    name TEXT PRIMARY KEY, holder TEXT NOT NULL, expires REAL NOT NULL
 );
 CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts
     USING fts5(body, call, content='messages', content_rowid='id', tokenize='unicode61');

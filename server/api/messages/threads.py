@@ -46,6 +46,7 @@ class Thread:
     system: Any = None
     tools: Any = None
     session: SessionRef | None = None        # the thread's session, for a continue
+    holder: str | None = None                # the continue's claim (``SessionLog.claim``)
 
 
 def _unmarked(value: Any) -> Any:
@@ -64,6 +65,11 @@ def _not_found(previous: str) -> APIError:
                     error_code="thread_not_found")
 
 
+def _already_continued(previous: str) -> APIError:
+    return APIError(400, f"the response {previous} has already been continued; continue from the thread's latest "
+                         "response", param="thread.previous_message_id", error_code="thread_already_continued")
+
+
 async def resume(log, owner: str, body: dict) -> Thread | None:
     """The request's thread, its body completed from the stored one for a continue (messages,
     system, tools); None without ``thread``."""
@@ -80,27 +86,31 @@ async def resume(log, owner: str, body: dict) -> Thread | None:
     if stored.get("kind") != KIND or time.time() - created > TTL_S:
         raise _not_found(previous)
     if continued:
-        raise APIError(400, f"the response {previous} has already been continued; continue from the thread's "
-                            "latest response", param="thread.previous_message_id", error_code="thread_already_continued")
+        raise _already_continued(previous)
     differ = [f for f in ("system", "tools") if body.get(f) is not None and _unmarked(body[f]) != _unmarked(stored.get(f))]
     if differ:
         raise APIError(400, f"{' and '.join(differ)} differ from the thread's: a continue takes them from the thread "
                             "(leave them out, or replay with thread: {\"type\": \"create\"} to change them)",
                        param=differ[0], error_code="thread_fingerprint_mismatch")
-    if not await asyncio.to_thread(log.claim, _claim_name(previous), IN_FLIGHT_S):   # one continue wins
+    holder = await asyncio.to_thread(log.claim, _claim_name(previous), IN_FLIGHT_S)   # one continue wins
+    if holder is None:
         raise APIError(400, f"another request is continuing from {previous}; wait for its response",
                        param="thread.previous_message_id", error_code="thread_continue_in_flight")
     try:
+        # a continue that finished between the check above and the claim: it has been continued now
+        if (await asyncio.to_thread(log.response_record, previous))[3]:
+            raise _already_continued(previous)
         history = await asyncio.to_thread(log.response_conversation, previous)
     except BaseException:
-        _release(log, previous)
+        _release(log, previous, holder)
         raise
     new = list(body["messages"])
     body.update(messages=history + new, system=stored.get("system"), tools=stored.get("tools"))
     for name in ("system", "tools"):
         if body[name] is None:
             body.pop(name)
-    return Thread(previous, new, stored.get("system"), stored.get("tools"), SessionRef(key.split("/", 1)[1], "thread"))
+    return Thread(previous, new, stored.get("system"), stored.get("tools"), SessionRef(key.split("/", 1)[1], "thread"),
+                  holder)
 
 
 class Claim:
@@ -113,7 +123,7 @@ class Claim:
 
     def release(self) -> None:
         if self._open and self.thread.parent is not None:
-            _release(self.log, self.thread.parent)
+            _release(self.log, self.thread.parent, self.thread.holder)
         self._open = False
 
     async def done(self, message_id: str, content: list[dict] | None, stop_reason: str | None) -> None:
@@ -127,12 +137,12 @@ class Claim:
             self.release()
 
 
-def _release(log, previous: str) -> None:
+def _release(log, previous: str, holder: str) -> None:
     """Let go of a continue's claim, off the event loop (a database round trip) and without waiting
     for it: this runs on every way out of a request, cancellation included."""
     def release() -> None:
         try:
-            log.release(_claim_name(previous))
+            log.release(_claim_name(previous), holder)
         except Exception as exc:   # the claim then expires by itself (IN_FLIGHT_S)
             logger.warning("could not release the thread claim of %s: %s", previous, exc)
 
