@@ -33,8 +33,8 @@ ARMS = ("one replica", "router, 2 replicas", "round robin, 2 replicas")
 
 def round_robin(config: str) -> str:
     """The router's configuration with session affinity off (the comparison arm)."""
-    out = config.replace("    balance hash var(txn.route)\n", "    balance roundrobin\n")
-    assert out != config, "the router configuration no longer balances on txn.route"
+    out = config.replace("    balance hash var(txn.token)\n", "    balance roundrobin\n")
+    assert out != config, "the router configuration no longer balances on txn.token"
     return out
 
 

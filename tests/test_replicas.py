@@ -200,6 +200,43 @@ def test_a_compaction_item_and_a_thread_made_on_one_replica_work_on_the_other(cl
     assert [m["role"] for m in log_of(two, sid)] == ["system", "user", "assistant", "user"]
 
 
+def test_a_thread_and_a_response_chain_without_a_session_id_stay_where_they_began(cluster):
+    """A message-thread continue and a previous_response_id request carry neither a session id nor
+    their conversation's prefix: the router places them by the token at the start of the id they
+    name, which agentkv took from the router when it made that id."""
+    url = cluster.router.url
+    thread = anthropic.Anthropic(base_url=url, api_key=API_KEY, max_retries=0, timeout=300).beta.messages.thread(
+        model=MODEL, max_tokens=4, system=f"{SYSTEM} Thread {uuid.uuid4()}.")
+    seen, ids = [], []
+    for t in range(3):
+        before = cluster.router.server_responses()
+        ids.append(thread.send({"role": "user", "content": f"turn {t}: and then?"}).id)
+        seen += cluster.served(before)
+    assert len(seen) == 3 and len(set(seen)) == 1, seen
+    assert len({i[4:12] for i in ids}) == 1, ids     # one token down the chain
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    seen, previous = [], None
+    for t in range(3):
+        before = cluster.router.server_responses()
+        r = client.responses.create(model=MODEL, input=f"{SYSTEM} step {t} of {uuid.uuid4()}" if t == 0 else f"step {t}",
+                                    previous_response_id=previous, max_output_tokens=4, store=True)
+        previous = r.id
+        seen += cluster.served(before)
+    assert len(seen) == 3 and len(set(seen)) == 1, seen
+
+
+def test_ids_take_the_routers_token_and_nothing_else():
+    from agentkv.server.api import ids
+
+    ids.take_route({"x-agentkv-route": "0123ABCD"})
+    assert re.fullmatch(r"msg_0123abcd[0-9a-f]{24}", ids.new_id("msg"))
+    for bad in ("0123abc", "0123abcdef", "zzzzzzzz", ""):
+        ids.take_route({"x-agentkv-route": bad})
+        made = ids.new_id("resp")
+        assert re.fullmatch(r"resp_[0-9a-f]{32}", made) and (not bad or not made[5:].startswith(bad.lower()))
+
+
 def test_a_replica_killed_mid_turn_loses_no_logged_message(cluster):
     """Runs last here (it kills a replica): a streamed turn is cut by the kill; the client retries it
     through the router, which sends it to the surviving replica; the log holds every message once."""

@@ -8,7 +8,6 @@ A stream the engine broke off ends with ``event: error`` instead."""
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -20,10 +19,11 @@ from ...metrics import observe_usage
 from ...pipeline.context import Prepared
 from ...pipeline.engine_call import Refusal
 from ...pipeline.turn import Turn
+from ..ids import new_id
 
 
 def message_id() -> str:
-    return f"msg_{uuid.uuid4().hex}"
+    return new_id("msg")
 
 
 def stop_reason(finish: str | None, matched: Any, used_tool: bool) -> tuple[str, str | None]:

@@ -19,6 +19,7 @@ from ...errors import APIError
 from ...options import require_utf8
 from ...pipeline.turn import TurnInput, prepare_turn, session_of
 from ..deps import ContextDep, EngineDep, OwnerDep
+from ..ids import take_route
 from . import compaction as on_demand
 from . import encode, threads
 from .convert import chat_request, conversation, engine_message, offered_tools, tools_to_openai
@@ -49,6 +50,7 @@ def _conversation(request: Request, body: dict) -> tuple[list, list | None]:
 @router.post("/messages")
 async def messages(req: MessagesRequest, request: Request, engine: EngineDep, owner: OwnerDep,
                    ctx: ContextDep) -> Response:
+    take_route(request.headers)   # this message's id routes the thread's continues
     state = request.app.state
     body = require_utf8(req.model_dump(exclude_unset=True))
     if req.thread is not None and req.compaction is not None:

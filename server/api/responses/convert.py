@@ -24,7 +24,6 @@ and is listed in the response's ``tools_not_offered``.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,10 +34,6 @@ from ...errors import APIError
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 HEADER_ROLES = ("system", "developer")
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _text(content: Any, where: str) -> str:

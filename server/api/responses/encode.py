@@ -23,7 +23,8 @@ from ...engine.client import encode_json
 from ...metrics import observe_usage
 from ...pipeline.engine_call import Refusal
 from ...pipeline.turn import Turn
-from .convert import new_id, to_usage
+from ..ids import new_id
+from .convert import to_usage
 
 EventFields = dict[str, Any]
 

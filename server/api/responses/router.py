@@ -35,7 +35,8 @@ from ...pipeline.sessions import SessionRef, session_ref
 from ...pipeline.turn import TurnInput, prepare_turn
 from ..deps import ContextDep, EngineDep, OwnerDep
 from . import encode
-from .convert import HEADER_ROLES, ChatTools, new_id, to_chat_tool_choice, to_chat_tools, to_messages
+from ..ids import new_id, take_route
+from .convert import HEADER_ROLES, ChatTools, to_chat_tool_choice, to_chat_tools, to_messages
 from .protocol import ECHOED, NOT_SENT, CompactRequest, ResponsesRequest, _Input
 from .store import StoredTurn, stored
 
@@ -160,6 +161,7 @@ def _chat_body(req: ResponsesRequest, model: str, tools: ChatTools) -> dict:
 @router.post("/responses")
 async def create_response(req: ResponsesRequest, request: Request, engine: EngineDep, owner: OwnerDep,
                           ctx: ContextDep) -> Response:
+    take_route(request.headers)   # this response's id routes its previous_response_id successors
     state = request.app.state
     cfg, window, log = state.cfg, state.supervisor.max_model_len, state.sessions.log
     require_utf8(req.model_dump(exclude_unset=True))
