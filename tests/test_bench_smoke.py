@@ -101,3 +101,19 @@ def test_quick_replicas_benchmark_writes_results(haproxy, tmp_path):
         assert len(arm["session_hit_rates"]) == 4 and all(0 <= h <= 1 for h in arm["session_hit_rates"])
     assert set(arms["round robin, 2 replicas"]["served_by"]) == {"replica1", "replica2"}
     assert arms["router, 2 replicas"]["hit_rate_mean"] > 0
+
+
+def test_quick_engine_input_benchmark_writes_results(tmp_path):
+    """Its own server (the tiny model with a 256k window), reached three ways, interleaved."""
+    main(["bench", "engine-input", "--quick", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "engine-input-quick.json").read_text())
+    assert (tmp_path / "engine-input-quick.png").stat().st_size > 1000
+    assert result["machine"]["cpu"] and result["model"] == "agentkv-tiny-wide"
+    rows = result["rows"]
+    assert [r["way"] for r in rows] == ["agentkv (messages)", "vLLM, messages", "vLLM, token ids"] * 2
+    for r in rows:
+        assert len(r["all_ms"]) == 3 and r["median_ms"] > 0
+        # the same prompt every way, its history prefix-cached: only the new message is computed
+        assert r["tokens"] == rows[3 * (rows.index(r) // 3)]["tokens"] >= 2000
+        assert all(c is not None and c >= 0.8 * r["tokens"] for c in r["cached_tokens"]), r["cached_tokens"]
+    assert all(r["vs_vllm_messages_median_ms"] == 0 for r in rows if r["way"] == "vLLM, messages")
