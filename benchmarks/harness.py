@@ -104,7 +104,6 @@ class Endpoint:
         import subprocess
         import sys
 
-
         from ..server.engine.process import free_port
 
         port = free_port()

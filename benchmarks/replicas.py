@@ -31,6 +31,11 @@ from .router import CONFIG, run_router
 ARMS = ("one replica", "router, 2 replicas", "round robin, 2 replicas")
 
 
+def per_replica(arm: dict) -> str:
+    """The responses each replica gave through the router (``all``: the arm without one)."""
+    return " / ".join(str(v) for _, v in sorted(arm["served_by"].items())) if "served_by" in arm else "all"
+
+
 def round_robin(config: str) -> str:
     """The router's configuration with session affinity off (the comparison arm)."""
     out = config.replace("    balance hash var(txn.token)\n", "    balance roundrobin\n")
@@ -113,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "p50 s"],
                 [[n, a["requests"], a["errors"], a["hit_rate_mean"] or 0.0, a["hit_rate_min"] or 0.0, a["kv_edits"],
                   a["kv_reused_tokens"], sum(a["kv_fallbacks"].values()),
-                  " / ".join(str(v) for _, v in sorted(a["served_by"].items())) if "served_by" in a else "all",
+                  per_replica(a),
                   f"{a['logs_complete']}/{sessions}", a["latency_p50_s"] or ""] for n, a in arms.items()],
                 machine_line(m))
     print(f"wrote {jpath} and {ppath}")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .front import extra_ms, ratio
 from .harness import RESULTS, machine_line
+from .replicas import per_replica
 
 README = Path(__file__).resolve().parent / "README.md"           # every result table
 TOP_README = Path(__file__).resolve().parents[1] / "README.md"   # the headline numbers
@@ -122,6 +123,11 @@ def _fidelity(r: dict) -> str:
                f"`--peer-only`) at {r['measured_at']}." if r.get("agentkv_measured_at") else ""))
 
 
+def _reasons(fallbacks: dict[str, int]) -> str:
+    """KV fallbacks by reason, ``reason: edits``."""
+    return ", ".join(f"{k}: {v}" for k, v in sorted(fallbacks.items())) or "none"
+
+
 def _load(r: dict) -> str:
     cols = ["sessions x turns", "requests", "errors", "requests/s", "latency p50 s", "latency p99 s",
             "requests with clearing", "logs complete"]
@@ -130,7 +136,7 @@ def _load(r: dict) -> str:
     if r.get("kv_reuse", "recompute") != "recompute":   # what the KV connector did with the edits
         cols += ["kv_reuse", "KV edits", "KV reused tokens", "KV fallbacks (reason: edits)"]
         row += [r["kv_reuse"], r["kv_edits"], r["kv_reused_tokens"],
-                ", ".join(f"{k}: {v}" for k, v in sorted(r["kv_fallbacks"].items())) or "none"]
+                _reasons(r["kv_fallbacks"])]
     return table(cols, [row])
 
 
@@ -140,8 +146,7 @@ def _replicas(r: dict) -> str:
             "logs complete", "latency p50 s"]
     return table(cols, [[name, a["requests"], a["errors"], _pct(a["hit_rate_mean"]), _pct(a["hit_rate_min"]),
                          a["kv_edits"], a["kv_reused_tokens"],
-                         ", ".join(f"{k}: {v}" for k, v in sorted(a["kv_fallbacks"].items())) or "none",
-                         " / ".join(str(v) for _, v in sorted(a["served_by"].items())) if "served_by" in a else "all",
+                         _reasons(a["kv_fallbacks"]), per_replica(a),
                          f"{a['logs_complete']}/{r['sessions']}", a["latency_p50_s"]] for name, a in r["arms"].items()])
 
 

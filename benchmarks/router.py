@@ -43,20 +43,22 @@ class Router:
     def __init__(self, proc: subprocess.Popen, url: str, stats_url: str, log_path: Path):
         self.proc, self.url, self.stats_url, self.log_path = proc, url, stats_url, log_path
 
+    def _per_server(self, metric: str, labels: str = "") -> list[tuple[str, int]]:
+        """(server, value) of each sample of one of HAProxy's per-replica metrics."""
+        text = httpx.get(f"{self.stats_url}/metrics", timeout=10).text
+        pattern = rf'^{metric}\{{proxy="replicas",server="([^"]+)"{labels}\}} (\d+)'
+        return [(m.group(1), int(m.group(2))) for m in re.finditer(pattern, text, re.M)]
+
     def server_responses(self) -> dict[str, int]:
         """HTTP responses each replica gave through the router (HAProxy's own count), by server name."""
-        text = httpx.get(f"{self.stats_url}/metrics", timeout=10).text
         out: dict[str, int] = {}
-        for m in re.finditer(r'^haproxy_server_http_responses_total\{proxy="replicas",server="([^"]+)",code="[^"]+"\} (\d+)',
-                             text, re.M):
-            out[m.group(1)] = out.get(m.group(1), 0) + int(m.group(2))
+        for server, n in self._per_server("haproxy_server_http_responses_total", ',code="[^"]+"'):
+            out[server] = out.get(server, 0) + n
         return out
 
     def up(self) -> dict[str, bool]:
         """Whether the router's health check takes each replica as up, by server name."""
-        text = httpx.get(f"{self.stats_url}/metrics", timeout=10).text
-        return {m.group(1): m.group(2) == "1" for m in re.finditer(
-            r'^haproxy_server_status\{proxy="replicas",server="([^"]+)",state="UP"\} (\d)', text, re.M)}
+        return {server: n == 1 for server, n in self._per_server("haproxy_server_status", ',state="UP"')}
 
 
 def find_haproxy() -> str | None:

@@ -177,6 +177,9 @@ class SessionLog(ABC):
             ") SELECT turn FROM chain ORDER BY depth DESC", (response_id,))
         return [m for (turn,) in rows for m in json.loads(turn)]
 
+    def is_continued(self, response_id: str) -> bool:
+        """Whether a later response continues this stored one."""
+        return bool(self._execute("SELECT EXISTS (SELECT 1 FROM responses WHERE parent = ?)", (response_id,))[0][0])
 
     # -- claims: work that one process at a time may do, whichever replica it runs on ----------
     def claim(self, name: str, ttl_s: float) -> str | None:

@@ -98,7 +98,7 @@ async def resume(log, owner: str, body: dict) -> Thread | None:
                        param="thread.previous_message_id", error_code="thread_continue_in_flight")
     try:
         # a continue that finished between the check above and the claim: it has been continued now
-        if (await asyncio.to_thread(log.response_record, previous))[3]:
+        if await asyncio.to_thread(log.is_continued, previous):
             raise _already_continued(previous)
         history = await asyncio.to_thread(log.response_conversation, previous)
     except BaseException:
