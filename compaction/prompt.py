@@ -59,6 +59,29 @@ def as_engine_sees(messages: list[Message]) -> list[Message]:
     return out
 
 
+def engine_tools(tools: list | None) -> list | None:
+    """Tools as vLLM hands them to the chat template (its ``ChatCompletionToolsParam`` dumped):
+    a function's ``description`` and ``parameters`` present (null when missing), ``strict`` and
+    ``defer_loading`` only when set (a tool's ``defer_loading`` also given to its function), no
+    other keys. Anything that is not a function tool is left as it is (vLLM refuses it)."""
+    if not tools:
+        return tools
+    out = []
+    for t in tools:
+        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            out.append(t)
+            continue
+        defer = fn.get("defer_loading") if fn.get("defer_loading") is not None else t.get("defer_loading")
+        f = {"name": fn["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}
+        f.update({k: v for k, v in (("strict", fn.get("strict")), ("defer_loading", defer)) if v is not None})
+        tool = {"type": "function", "function": f}
+        if t.get("defer_loading") is not None:
+            tool["defer_loading"] = t["defer_loading"]
+        out.append(tool)
+    return out
+
+
 def message_key(message: Message) -> str:
     return hashlib.sha256(json.dumps(message, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..compaction.log.open import is_postgres_url
 from .embedded_model.names import DEFAULT_MODEL
-from .options import BlendStrategy, KVMode
+from .options import BlendStrategy, EngineInputMode, KVMode
 
 
 def agentkv_home() -> Path:
@@ -57,6 +57,9 @@ class ServeConfig(BaseModel):
     engine_startup_timeout_s: float = Field(900.0, gt=0, description="seconds to wait for vLLM to become healthy")
     engine_restarts: int = Field(3, ge=0, description="relaunch vLLM when it dies, at most this many times an hour (0: never)")
     engine_args: tuple[str, ...] = Field((), description="extra arguments passed verbatim to vLLM")
+    engine_input: EngineInputMode = Field(
+        "tokens", description="how prompts reach vLLM: the front's token ids (tokens: vLLM skips rendering and "
+                              "tokenizing the whole prompt) or the messages (vLLM renders them)")
     context_management: bool = Field(True, description="apply the default context policy to requests without one")
     clear_at: float = Field(0.5, gt=0, le=1, description="default policy: clear tool results at this fraction of the window")
     compact_at: float = Field(0.75, gt=0, le=1, description="default policy: summarize at this fraction of the window")

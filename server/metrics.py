@@ -25,6 +25,12 @@ KV_FALLBACKS = Counter("agentkv_kv_fallbacks", "Edits the front recomputed witho
                        "reason (connector_disabled: the server runs without it)", ["reason"], registry=REGISTRY)
 KV_PRIMED = Counter("agentkv_kv_primed_tokens", "Prompt tokens of priming requests (placeholders computed "
                     "for shifting)", registry=REGISTRY)
+ENGINE_INPUT = Counter("agentkv_engine_input_requests", "Chat requests sent to the engine by the form of their "
+                       "prompt (tokens: the front's token ids; messages: vLLM renders them) and why they went as "
+                       "messages (server: --engine-input messages; request: the request's engine_input; "
+                       "field:<name> / template_variable:<name>: a field that changes vLLM's render; "
+                       "non_text_content; render_mismatch: the engine renders differently; unchecked: the "
+                       "engine could not be asked)", ["input", "reason"], registry=REGISTRY)
 PROMPT_TOKENS = Counter("agentkv_prompt_tokens", "Chat prompt tokens by how the engine got their K/V "
                         "(cached: prefix cache or connector; computed: prefilled)", ["source"], registry=REGISTRY)
 

@@ -21,6 +21,7 @@ from .errors import APIError
 KVMode = Literal["recompute", "shift", "blend"]
 KV_MODES: tuple[str, ...] = get_args(KVMode)
 BlendStrategy = Literal["tail", "cuts", "deviation"]
+EngineInputMode = Literal["tokens", "messages"]
 BLEND_STRATEGIES: tuple[str, ...] = get_args(BlendStrategy)
 
 
@@ -60,6 +61,7 @@ class AgentKVFields(EngineBound):
     server_tools: bool | None = None     # default: the server's --server-tools
     kv_reuse: KVMode | None = None       # default: the server's --kv-reuse
     kv_blend: KVBlend | None = None
+    engine_input: EngineInputMode | None = None   # messages: this request's prompt rendered by vLLM
 
 
 AGENTKV_FIELDS: tuple[str, ...] = ("context_management", *AgentKVFields.model_fields)

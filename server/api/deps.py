@@ -78,9 +78,12 @@ def _make_context(state) -> None:
                 from ..pipeline.context import ContextManager
                 from ..engine.summarizer import EngineModelClient
 
+                from ..pipeline.engine_input import EngineInput
+
                 sup = state.supervisor
-                state.context = ContextManager(state.sessions, PromptRenderer.from_pretrained(sup.model_path),
-                                               EngineModelClient(sup, state.cfg.model_name))
+                renderer = PromptRenderer.from_pretrained(sup.model_path)
+                state.engine_input = EngineInput(state.cfg.engine_input, renderer, state.cfg.model_name)
+                state.context = ContextManager(state.sessions, renderer, EngineModelClient(sup, state.cfg.model_name))
     return state.context
 
 

@@ -6,8 +6,10 @@ In request order: the server-executed tools join the client's (before the contex
 triggers and token counts see what the engine gets); a system prompt and tools that fill the
 window are refused before any work (``window``); the session is found and the conversation logged
 before any edit, and the context policy runs (``context.manage``); the output limit is fitted to
-the room left; then, at the first engine call, KV reuse tells the connector which edit happened
-(``kv.reuse.attach``), and the engine answers with server-tool rounds resolved (``engine_call``).
+the room left; the prompt's form is chosen (``engine_input``: the front's token ids, or the messages
+for vLLM to render); then, at the first engine call, KV reuse tells the connector which edit
+happened (``kv.reuse.attach``), and the engine answers with server-tool rounds resolved
+(``engine_call``).
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...compaction.policy import ContextManagement
-from ...compaction.prompt import Message
+from ...compaction.prompt import Message, engine_tools
 from ..config import ServeConfig
 from ..engine.client import EngineClient
 from ..kv import reuse as kv_reuse
 from ..options import AgentKVFields
 from . import cache_salt, server_tools, window
 from .context import EngineForm, Prepared, manage
-from .engine_call import Completion, EngineStream, Refusal, completion, open_stream
+from .engine_call import Completion, EngineStream, Make, Refusal, completion, open_stream
 from .server_tools import ToolRunner
 from .sessions import SessionRef, session_ref
 
@@ -52,6 +54,7 @@ class Turn:
     runner: ToolRunner | None
     engine: EngineClient
     _kv: tuple | None   # (cfg, fields, model_path, owner) until KV reuse has been attached
+    make: Make          # each engine request made of its chat body (``engine_input``)
     lowered: str | None = None   # the output limit, lowered to the room the prompt leaves
 
     @property
@@ -89,11 +92,11 @@ class Turn:
 
     async def complete(self) -> Completion | Refusal:
         await self._attach()
-        return await completion(self.engine, self.body, self.runner, self.prepared.report)
+        return await completion(self.engine, self.body, self.runner, self.prepared.report, self.make)
 
     async def stream(self) -> EngineStream | Refusal:
         await self._attach()
-        return await open_stream(self.engine, self.body, self.runner)
+        return await open_stream(self.engine, self.body, self.runner, self.make)
 
 
 def session_of(headers: Mapping[str, str], fields: AgentKVFields, body: Mapping[str, Any]) -> SessionRef:
@@ -108,6 +111,7 @@ async def prepare_turn(state, engine: EngineClient, ctx, owner: str, turn: TurnI
     sup = state.supervisor
     on = turn.fields.server_tools if turn.fields.server_tools is not None else cfg.server_tools
     tools = server_tools.with_server_tools(turn.tools) if on else turn.tools   # reserved names: 400 before logging
+    tools = engine_tools(tools)   # as vLLM gives them to the template: counted and rendered as the engine does
     window.check_fixed_part(ctx.renderer, turn.conversation, tools, sup.max_model_len, turn.engine_form, turn.param)
     mode = turn.fields.kv_reuse or cfg.kv_reuse
     prepared = await manage(ctx, cfg, sup.max_model_len, owner, turn.session, turn.conversation, tools,
@@ -119,4 +123,5 @@ async def prepare_turn(state, engine: EngineClient, ctx, owner: str, turn: TurnI
         body["tools"] = tools
     lowered = window.fit_output(body, prepared.report["prompt_tokens_after"], sup.max_model_len, turn.param)
     runner = ToolRunner(ctx.sessions.log, prepared.key, cfg.max_server_tool_rounds, lowered is not None) if on else None
-    return Turn(prepared, body, runner, engine, (cfg, turn.fields, sup.model_path, owner), lowered)
+    make = await state.engine_input.for_turn(engine, body, turn.fields.engine_input, turn.param)
+    return Turn(prepared, body, runner, engine, (cfg, turn.fields, sup.model_path, owner), make, lowered)

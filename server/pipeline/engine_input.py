@@ -1,0 +1,168 @@
+"""The form a chat prompt reaches vLLM in: its token ids (``--engine-input tokens``, the default)
+or its messages.
+
+vLLM's chat route renders the chat template and tokenizes the whole prompt on every request
+(0.48 s at 200k tokens here: ``benchmarks/results/front.json``), work the front has already done,
+incrementally (``compaction.prompt.PromptRenderer``). On the tokens path the chat request carries
+the front's ids in ``kv_transfer_params.prompt_token_ids``: vLLM's decode-side token reuse (vLLM
+0.32, ``renderers/online_renderer.py``), which skips only templating and tokenization. The rest of
+vLLM's chat layer runs as it does for messages: tool-choice checks, the tool and reasoning
+parsers' ``adjust_request`` (structured outputs for ``required`` / named tools), sampling defaults,
+tool-call and reasoning parsing streamed and not, logprobs, finish reasons, ``n``, usage. So an
+answer equals the messages path's token for token whenever the ids are the ones vLLM would render,
+which is what this module guards:
+
+- a request setting a field that changes vLLM's render in a way the front does not render
+  (``RENDER_FIELDS``, or a field the chat template reads: ``TEMPLATE_FIELDS``), or holding
+  non-text content (vLLM renders media itself), goes as messages;
+- before the first request on the tokens path the front's render of a probe conversation (tools,
+  a tool call and its result) is checked against the engine's own (``/tokenize``): where they
+  differ (a ``--chat-template`` in the engine's arguments, a tokenizer of its own) every request
+  goes as messages, and the server says so once.
+Each chat request to the engine is counted by the path it took and why
+(``agentkv_engine_input_requests``). A conversation the chat template refuses to render is a 400
+naming the request's field (the same template refuses it on either path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+
+from ...compaction.prompt import Message, PromptRenderer, engine_tools
+from ..engine.client import EngineClient, EngineUnavailable
+from ..errors import APIError
+from ..metrics import ENGINE_INPUT
+from ..options import EngineInputMode
+
+log = logging.getLogger("agentkv.engine_input")
+
+# vLLM chat fields that change its render where the front renders without them (set: messages)
+RENDER_FIELDS = ("chat_template", "chat_template_kwargs", "continue_final_message", "echo", "add_special_tokens",
+                 "truncate_prompt_tokens", "mm_processor_kwargs", "media_io_kwargs")
+# vLLM chat fields it hands the chat template: they matter only to a template that reads them
+TEMPLATE_FIELDS = {"documents": ("documents",), "reasoning_effort": ("reasoning_effort", "enable_thinking"),
+                   "tool_choice": ("tool_choice",), "response_format": ("response_format",)}
+PROBE_TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                                 "parameters": {"type": "object", "properties": {
+                                                     "path": {"type": "string"}}, "required": ["path"]}}},
+               {"type": "function", "function": {"name": "list_files"}}]
+PROBE = [{"role": "system", "content": "You are a coding agent."},
+         {"role": "user", "content": "What is in README.md?"},
+         {"role": "assistant", "content": None, "tool_calls": [
+             {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "README.md"}'}}]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "# agentkv\nAn inference server for agents."},
+         {"role": "user", "content": "Summarize it."}]
+
+
+def template_variables(template: str | None) -> frozenset[str]:
+    """The variables a chat template reads (those it does not set itself)."""
+    if not template:
+        return frozenset()
+    try:
+        from jinja2 import meta
+
+        return frozenset(meta.find_undeclared_variables(jinja2.Environment().parse(template)))
+    except jinja2.TemplateError:   # a template jinja2 cannot parse: assume it reads everything
+        return frozenset(v for names in TEMPLATE_FIELDS.values() for v in names)
+
+
+def has_media(messages: list[Message]) -> bool:
+    return any(isinstance(p, dict) and p.get("type", "text") != "text"
+               for m in messages if isinstance(m.get("content"), list) for p in m["content"])
+
+
+def why_messages(body: dict[str, Any], template_reads: frozenset[str]) -> str | None:
+    """Why this engine request must go as messages (None: its ids are the front's render)."""
+    for f in RENDER_FIELDS:
+        if body.get(f) not in (None, False):
+            return f"field:{f}"
+    if body.get("add_generation_prompt") is False:
+        return "field:add_generation_prompt"
+    for f, names in TEMPLATE_FIELDS.items():
+        if body.get(f) is not None and template_reads.intersection(names):
+            return f"template_variable:{f}"
+    if has_media(body["messages"]):
+        return "non_text_content"
+    return None
+
+
+class EngineInput:
+    """The server's engine-input setting and what it has found out about the engine's render."""
+
+    def __init__(self, mode: EngineInputMode, renderer: PromptRenderer, model: str):
+        self.mode, self.renderer, self.model = mode, renderer, model
+        self.template_reads = template_variables(getattr(renderer.tokenizer, "chat_template", None))
+        self.mismatch: str | None = None      # why the front's render is not the engine's (checked once)
+        self._checked = False
+        self._lock = asyncio.Lock()
+
+    async def check(self, engine: EngineClient) -> bool:
+        """The front's render of ``PROBE`` equals the engine's (``/tokenize``), asked once."""
+        if self._checked:
+            return self.mismatch is None
+        async with self._lock:
+            if not self._checked:
+                status, payload = await engine.post_json("/tokenize", {
+                    "model": self.model, "messages": PROBE, "tools": PROBE_TOOLS, "add_generation_prompt": True})
+                if status != 200:
+                    raise EngineUnavailable(f"/tokenize answered {status}")
+                mine = self.renderer.render(PROBE, engine_tools(PROBE_TOOLS)).token_ids
+                theirs = payload.get("tokens")
+                if mine != theirs:
+                    at = next((i for i, (a, b) in enumerate(zip(mine, theirs or [])) if a != b),
+                              min(len(mine), len(theirs or [])))
+                    self.mismatch = (f"the engine renders the chat template differently from the front "
+                                     f"(first difference at token {at} of {len(mine)})")
+                    log.warning("%s: every prompt goes to vLLM as messages (--engine-input messages)", self.mismatch)
+                self._checked = True
+        return self.mismatch is None
+
+    async def for_turn(self, engine: EngineClient, body: dict[str, Any], asked: EngineInputMode | None,
+                       param: str) -> Callable[[dict], dict]:
+        """How each engine request of a turn is made from its chat body: the ids added (tokens
+        path), or the body as it is; ``asked``: the request's own ``engine_input``."""
+        reason = None
+        if self.mode == "messages":
+            reason = "server"
+        elif asked == "messages":
+            reason = "request"
+        else:
+            reason = why_messages(body, self.template_reads)
+        if reason is None:
+            try:
+                if not await self.check(engine):
+                    reason = "render_mismatch"
+            except EngineUnavailable:   # the engine is starting or gone: this turn goes as messages
+                reason = "unchecked"
+        if reason is not None:
+            return InputPath("messages", reason, self.renderer, param).request
+        return InputPath("tokens", "", self.renderer, param).request
+
+
+@dataclass
+class InputPath:
+    """One turn's engine input: ``request(body)`` is the chat request sent for ``body`` (each
+    server-tool round renders its own longer prompt)."""
+
+    input: EngineInputMode
+    reason: str
+    renderer: PromptRenderer
+    param: str
+
+    def request(self, body: dict) -> dict:
+        ENGINE_INPUT.labels(self.input, self.reason).inc()
+        if self.input == "messages":
+            return body
+        try:
+            ids = self.renderer.render(body["messages"], body.get("tools")).token_ids
+        except jinja2.TemplateError as exc:
+            raise APIError(400, f"the model's chat template cannot render `{self.param}`: {exc}",
+                           param=self.param) from None
+        kv = {**(body.get("kv_transfer_params") or {}), "prompt_token_ids": ids}
+        return {**body, "kv_transfer_params": kv}
