@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 
+import jinja2
 import psycopg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -100,6 +101,13 @@ def install_error_handlers(app: FastAPI) -> None:
         param = _loc_to_param(loc)
         where = f"'{param}': " if param else ""
         return _respond(request, 400, f"{where}{first.get('msg', 'invalid request')}", param)
+
+    @app.exception_handler(jinja2.TemplateError)
+    async def _template(request: Request, exc: jinja2.TemplateError) -> JSONResponse:
+        """The model's chat template refused the conversation (``raise_exception`` in many HF
+        templates: roles that do not alternate, say): the request's conversation is at fault."""
+        param = "input" if request.url.path.startswith("/v1/responses") else "messages"
+        return _respond(request, 400, f"the model's chat template cannot render this conversation: {exc}", param)
 
     async def _log_down(request: Request, exc: Exception) -> JSONResponse:
         return _respond(request, 503, f"the session log is unavailable: {exc.__class__.__name__}",

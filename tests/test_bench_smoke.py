@@ -104,16 +104,21 @@ def test_quick_replicas_benchmark_writes_results(haproxy, tmp_path):
 
 
 def test_quick_engine_input_benchmark_writes_results(tmp_path):
-    """Its own server (the tiny model with a 256k window), reached three ways, interleaved."""
+    """Its own server (the tiny model with a 256k window), reached four ways, interleaved."""
     main(["bench", "engine-input", "--quick", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "engine-input-quick.json").read_text())
     assert (tmp_path / "engine-input-quick.png").stat().st_size > 1000
     assert result["machine"]["cpu"] and result["model"] == "agentkv-tiny-wide"
     rows = result["rows"]
-    assert [r["way"] for r in rows] == ["agentkv (messages)", "vLLM, messages", "vLLM, token ids"] * 2
+    ways = ["agentkv (token ids)", "agentkv (messages)", "vLLM, messages", "vLLM, token ids"]
+    assert [r["way"] for r in rows] == ways * 2
     for r in rows:
         assert len(r["all_ms"]) == 3 and r["median_ms"] > 0
         # the same prompt every way, its history prefix-cached: only the new message is computed
-        assert r["tokens"] == rows[3 * (rows.index(r) // 3)]["tokens"] >= 2000
+        assert r["tokens"] == rows[4 * (rows.index(r) // 4)]["tokens"] >= 2000
         assert all(c is not None and c >= 0.8 * r["tokens"] for c in r["cached_tokens"]), r["cached_tokens"]
+        assert r["ratio_p2_5"] <= r["ratio_to_vllm_messages"] <= r["ratio_p97_5"]
+        assert isinstance(r["faster_than_vllm_messages_by_render"], bool)
+    # each agentkv way went the way it names (a prefill and 3 rounds per size)
+    assert result["engine_input_requests"] == {"tokens": 8, "messages:request": 8}
     assert all(r["vs_vllm_messages_median_ms"] == 0 for r in rows if r["way"] == "vLLM, messages")

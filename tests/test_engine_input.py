@@ -158,7 +158,7 @@ def test_the_front_render_is_checked_against_the_engines(server):
         try:
             ei = EngineInput("tokens", PromptRenderer.from_pretrained(str(path)), TINY)
             ok = await ei.check(engine)
-            make = await ei.for_turn(engine, {"messages": PROBE, "tools": engine_tools(PROBE_TOOLS)}, None, "messages")
+            make = await ei.for_turn(engine, {"messages": PROBE, "tools": engine_tools(PROBE_TOOLS)}, None)
             return ok, make({"messages": PROBE}).get("kv_transfer_params")
         finally:
             await engine.aclose()
@@ -169,3 +169,28 @@ def test_the_front_render_is_checked_against_the_engines(server):
     ok, kv = asyncio.run(check(model_dir(REAL)))
     assert not ok and kv is None
     assert metric(server, "messages", "render_mismatch") == 0   # the server's own render passed its check
+
+
+def test_a_conversation_the_template_refuses_is_a_400_in_each_apis_shape():
+    """Many HF templates refuse a conversation (``raise_exception``): a 400 naming the request's
+    conversation field, OpenAI's shape or Anthropic's, never a 500."""
+    import jinja2
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from agentkv.server.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/{route:path}")
+    def refuse(route: str):
+        jinja2.Environment().from_string("{{ raise_exception('Conversation roles must alternate') }}").render(
+            raise_exception=lambda m: (_ for _ in ()).throw(jinja2.TemplateError(m)))
+
+    with TestClient(app) as c:
+        chat, messages, responses = (c.post(f"/v1/{r}") for r in ("chat/completions", "messages", "responses"))
+    assert chat.status_code == messages.status_code == responses.status_code == 400
+    assert chat.json()["error"]["param"] == "messages" and responses.json()["error"]["param"] == "input"
+    assert "roles must alternate" in chat.json()["error"]["message"]
+    assert messages.json()["type"] == "error" and "roles must alternate" in messages.json()["error"]["message"]

@@ -21,7 +21,7 @@ which is what this module guards:
   goes as messages, and the server says so once.
 Each chat request to the engine is counted by the path it took and why
 (``agentkv_engine_input_requests``). A conversation the chat template refuses to render is a 400
-naming the request's field (the same template refuses it on either path).
+naming the request's field, on either path (``errors``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import jinja2
 
 from ...compaction.prompt import Message, PromptRenderer, engine_tools
 from ..engine.client import EngineClient, EngineUnavailable
-from ..errors import APIError
 from ..metrics import ENGINE_INPUT
 from ..options import EngineInputMode
 
@@ -123,8 +122,8 @@ class EngineInput:
                 self._checked = True
         return self.mismatch is None
 
-    async def for_turn(self, engine: EngineClient, body: dict[str, Any], asked: EngineInputMode | None,
-                       param: str) -> Callable[[dict], dict]:
+    async def for_turn(self, engine: EngineClient, body: dict[str, Any],
+                       asked: EngineInputMode | None) -> Callable[[dict], dict]:
         """How each engine request of a turn is made from its chat body: the ids added (tokens
         path), or the body as it is; ``asked``: the request's own ``engine_input``."""
         reason = None
@@ -141,8 +140,8 @@ class EngineInput:
             except EngineUnavailable:   # the engine is starting or gone: this turn goes as messages
                 reason = "unchecked"
         if reason is not None:
-            return InputPath("messages", reason, self.renderer, param).request
-        return InputPath("tokens", "", self.renderer, param).request
+            return InputPath("messages", reason, self.renderer).request
+        return InputPath("tokens", "", self.renderer).request
 
 
 @dataclass
@@ -153,16 +152,11 @@ class InputPath:
     input: EngineInputMode
     reason: str
     renderer: PromptRenderer
-    param: str
 
     def request(self, body: dict) -> dict:
         ENGINE_INPUT.labels(self.input, self.reason).inc()
         if self.input == "messages":
             return body
-        try:
-            ids = self.renderer.render(body["messages"], body.get("tools")).token_ids
-        except jinja2.TemplateError as exc:
-            raise APIError(400, f"the model's chat template cannot render `{self.param}`: {exc}",
-                           param=self.param) from None
+        ids = self.renderer.render(body["messages"], body.get("tools")).token_ids   # cached per message
         kv = {**(body.get("kv_transfer_params") or {}), "prompt_token_ids": ids}
         return {**body, "kv_transfer_params": kv}

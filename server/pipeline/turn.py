@@ -123,5 +123,5 @@ async def prepare_turn(state, engine: EngineClient, ctx, owner: str, turn: TurnI
         body["tools"] = tools
     lowered = window.fit_output(body, prepared.report["prompt_tokens_after"], sup.max_model_len, turn.param)
     runner = ToolRunner(ctx.sessions.log, prepared.key, cfg.max_server_tool_rounds, lowered is not None) if on else None
-    make = await state.engine_input.for_turn(engine, body, turn.fields.engine_input, turn.param)
+    make = await state.engine_input.for_turn(engine, body, turn.fields.engine_input)
     return Turn(prepared, body, runner, engine, (cfg, turn.fields, sup.model_path, owner), make, lowered)
