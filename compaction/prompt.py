@@ -33,14 +33,56 @@ def content_text(content) -> str:
     return "".join(p.get("text", "") for p in content or [] if isinstance(p, dict))
 
 
+BILLING_HEADER = "x-anthropic-billing-header"   # Claude Code's per-request line, which vLLM drops
+
+
+def _text_of(part) -> str | None:
+    if isinstance(part, str):
+        return part
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    return None
+
+
+def _without_billing_header(content):
+    """A system message's content less Claude Code's billing-header line, as vLLM drops it (a
+    string stays a string, parts stay parts)."""
+    if isinstance(content, str):
+        return content.partition("\n")[2] if content.startswith(BILLING_HEADER) else content
+    if not isinstance(content, list) or not any((_text_of(p) or "").startswith(BILLING_HEADER) for p in content):
+        return content
+    out = []
+    for p in content:
+        text = _text_of(p)
+        if text is None or not text.startswith(BILLING_HEADER):
+            out.append(p)
+        elif rest := text.partition("\n")[2]:
+            out.append({**p, "text": rest} if isinstance(p, dict) else rest)
+    return out
+
+
 def as_engine_sees(messages: list[Message]) -> list[Message]:
-    """Messages as vLLM hands them to the chat template: tool-call arguments parsed from JSON
-    strings into objects (invalid or non-object JSON becomes ``{}``), an assistant's ``reasoning``
-    also given as ``reasoning_content``, so our render matches the engine's token for token."""
+    """Messages as vLLM hands them to the chat template, so our render matches the engine's token
+    for token: tool-call arguments parsed from JSON strings into objects (invalid or non-object
+    JSON becomes ``{}``), an empty ``tool_calls`` dropped, an assistant's ``reasoning`` (or
+    ``reasoning_content``) given as both, a tool result's text parts joined with newlines, and
+    Claude Code's billing-header line dropped from a system message."""
     out = []
     for m in messages:
-        if m.get("role") == "assistant" and m.get("reasoning") is not None:
-            m = {**m, "reasoning_content": m["reasoning"]}
+        role = m.get("role")
+        if role == "assistant":
+            r = m.get("reasoning") if m.get("reasoning") is not None else m.get("reasoning_content")
+            if r is not None:
+                m = {**m, "reasoning": r, "reasoning_content": r}
+            if isinstance(m.get("tool_calls"), list) and not m["tool_calls"]:
+                m = {k: v for k, v in m.items() if k != "tool_calls"}
+        elif role == "tool" and isinstance(m.get("content"), list) and all(
+                isinstance(p, dict) and p.get("type") == "text" for p in m["content"]):
+            m = {**m, "content": "\n".join(p.get("text", "") for p in m["content"])}
+        elif role == "system" and m.get("content"):
+            content = _without_billing_header(m["content"])
+            if content is not m["content"]:
+                m = {**m, "content": content}
         if not m.get("tool_calls"):
             out.append(m)
             continue

@@ -130,6 +130,31 @@ def test_a_field_that_changes_vllms_render_goes_as_messages(server):
     assert metric(server, "messages", "field:chat_template_kwargs") == before + 1
 
 
+def test_what_vllm_normalizes_the_front_renders_alike(server):
+    """What vLLM changes before its template sees a conversation (a tool result in text parts
+    joined with newlines, Claude Code's billing line dropped from the system prompt, an empty
+    ``tool_calls``, ``reasoning_content`` for ``reasoning``) the front does too: the prompt it
+    counts is the one vLLM computes, and both paths answer alike."""
+    msgs = [{"role": "system", "content": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.0.a1;"},
+                                           {"type": "text", "text": "You are an agent."}]},
+            {"role": "user", "content": "List the files."},
+            {"role": "assistant", "content": None, "reasoning_content": "ls will do",
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "a.py"}, {"type": "text", "text": "b.py"}]},
+            {"role": "assistant", "content": "Two files.", "tool_calls": []},
+            {"role": "user", "content": "And now?"}]
+    out = []
+    for engine_input in ("tokens", "messages"):
+        r = server.http().post("/v1/chat/completions", json={
+            "model": TINY, "messages": msgs, "tools": CHAT_TOOLS, "max_tokens": 8, "temperature": 0,
+            "engine_input": engine_input}, headers={"X-Session-Id": f"ei-{uuid.uuid4().hex[:12]}"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["context_management"]["prompt_tokens_after"] == body["usage"]["prompt_tokens"]
+        out.append((body["choices"][0]["message"], body["usage"]["prompt_tokens"]))
+    assert out[0] == out[1]
+
+
 def test_engine_input_is_validated(server):
     r = server.http().post("/v1/chat/completions", json={"model": TINY, "messages": [{"role": "user", "content": "x"}],
                                                          "engine_input": "ids"})

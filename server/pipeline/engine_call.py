@@ -8,7 +8,8 @@ Streamed: ``open_stream`` starts the engine's stream (or returns its ``Refusal``
 each as soon as the engine sends it. Server tool calls are held until their round ends, executed,
 and generation continues; client tool calls are passed on. Afterwards ``usage`` (summed over
 rounds), ``server_tool_calls`` and ``error`` (an OpenAI error body when the engine's stream broke
-or ended without ``[DONE]``) tell the encoder how to finish.
+or ended without ``[DONE]``) tell the encoder how to finish. Each engine request is made of its
+chat body by ``make`` (``engine_input``: the prompt's token ids added, each round its own).
 """
 
 from __future__ import annotations

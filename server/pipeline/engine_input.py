@@ -16,9 +16,11 @@ which is what this module guards:
   (``RENDER_FIELDS``, or a field the chat template reads: ``TEMPLATE_FIELDS``), or holding
   non-text content (vLLM renders media itself), goes as messages;
 - before the first request on the tokens path the front's render of a probe conversation (tools,
-  a tool call and its result) is checked against the engine's own (``/tokenize``): where they
-  differ (a ``--chat-template`` in the engine's arguments, a tokenizer of its own) every request
-  goes as messages, and the server says so once.
+  a tool call, a tool result in parts, Claude Code's billing line) is checked against the engine's
+  own (``/tokenize``): where they differ (a ``--chat-template`` in the engine's arguments, a
+  tokenizer of its own) every request goes as messages, and the server says so once; where only
+  content given as text parts differs (a template vLLM hands strings, the parts joined), requests
+  with such content go as messages.
 Each chat request to the engine is counted by the path it took and why
 (``agentkv_engine_input_requests``). A conversation the chat template refuses to render is a 400
 naming the request's field, on either path (``errors``).
@@ -51,12 +53,14 @@ PROBE_TOOLS = [{"type": "function", "function": {"name": "read_file", "descripti
                                                  "parameters": {"type": "object", "properties": {
                                                      "path": {"type": "string"}}, "required": ["path"]}}},
                {"type": "function", "function": {"name": "list_files"}}]
-PROBE = [{"role": "system", "content": "You are a coding agent."},
+PROBE = [{"role": "system", "content": "x-anthropic-billing-header: cc_version=1.0.0;\nYou are a coding agent."},
          {"role": "user", "content": "What is in README.md?"},
          {"role": "assistant", "content": None, "tool_calls": [
              {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "README.md"}'}}]},
-         {"role": "tool", "tool_call_id": "call_1", "content": "# agentkv\nAn inference server for agents."},
-         {"role": "user", "content": "Summarize it."}]
+         {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "# agentkv"},
+                                                                {"type": "text", "text": "An inference server."}]},
+         {"role": "user", "content": "Summarize it.", "name": "dev"}]
+PARTS_PROBE = [{"role": "user", "content": [{"type": "text", "text": "Read"}, {"type": "text", "text": "this."}]}]
 
 
 def template_variables(template: str | None) -> frozenset[str]:
@@ -74,6 +78,11 @@ def template_variables(template: str | None) -> frozenset[str]:
 def has_media(messages: list[Message]) -> bool:
     return any(isinstance(p, dict) and p.get("type", "text") != "text"
                for m in messages if isinstance(m.get("content"), list) for p in m["content"])
+
+
+def has_parts(messages: list[Message]) -> bool:
+    """Content given as parts anywhere but in a tool result (which vLLM always joins)."""
+    return any(isinstance(m.get("content"), list) for m in messages if m.get("role") != "tool")
 
 
 def why_messages(body: dict[str, Any], template_reads: frozenset[str]) -> str | None:
@@ -98,27 +107,38 @@ class EngineInput:
         self.mode, self.renderer, self.model = mode, renderer, model
         self.template_reads = template_variables(getattr(renderer.tokenizer, "chat_template", None))
         self.mismatch: str | None = None      # why the front's render is not the engine's (checked once)
+        self.parts_differ = False             # content given as parts renders differently (checked once)
         self._checked = False
         self._lock = asyncio.Lock()
 
+    async def _differs(self, engine: EngineClient, messages: list[Message], tools: list | None) -> str | None:
+        """Where the front's render of ``messages`` differs from the engine's (``/tokenize``)."""
+        body = {"model": self.model, "messages": messages, "add_generation_prompt": True}
+        if tools:
+            body["tools"] = tools
+        status, payload = await engine.post_json("/tokenize", body)
+        if status != 200:
+            raise EngineUnavailable(f"/tokenize answered {status}")
+        mine, theirs = self.renderer.render(messages, engine_tools(tools)).token_ids, payload.get("tokens") or []
+        if mine == theirs:
+            return None
+        at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+        return f"first difference at token {at} of {len(mine)}"
+
     async def check(self, engine: EngineClient) -> bool:
-        """The front's render of ``PROBE`` equals the engine's (``/tokenize``), asked once."""
+        """The front's render of ``PROBE`` equals the engine's, asked once; and whether content
+        given as text parts renders the same (a template vLLM hands strings joins them itself)."""
         if self._checked:
             return self.mismatch is None
         async with self._lock:
             if not self._checked:
-                status, payload = await engine.post_json("/tokenize", {
-                    "model": self.model, "messages": PROBE, "tools": PROBE_TOOLS, "add_generation_prompt": True})
-                if status != 200:
-                    raise EngineUnavailable(f"/tokenize answered {status}")
-                mine = self.renderer.render(PROBE, engine_tools(PROBE_TOOLS)).token_ids
-                theirs = payload.get("tokens")
-                if mine != theirs:
-                    at = next((i for i, (a, b) in enumerate(zip(mine, theirs or [])) if a != b),
-                              min(len(mine), len(theirs or [])))
-                    self.mismatch = (f"the engine renders the chat template differently from the front "
-                                     f"(first difference at token {at} of {len(mine)})")
-                    log.warning("%s: every prompt goes to vLLM as messages (--engine-input messages)", self.mismatch)
+                where = await self._differs(engine, PROBE, PROBE_TOOLS)
+                if where:
+                    self.mismatch = f"the engine renders the chat template differently from the front ({where})"
+                    log.warning("%s: every prompt goes to vLLM as messages", self.mismatch)
+                elif await self._differs(engine, PARTS_PROBE, None):
+                    self.parts_differ = True
+                    log.info("the engine joins content parts itself: requests with them go to vLLM as messages")
                 self._checked = True
         return self.mismatch is None
 
@@ -137,6 +157,8 @@ class EngineInput:
             try:
                 if not await self.check(engine):
                     reason = "render_mismatch"
+                elif self.parts_differ and has_parts(body["messages"]):
+                    reason = "content_parts"
             except EngineUnavailable:   # the engine is starting or gone: this turn goes as messages
                 reason = "unchecked"
         if reason is not None:
