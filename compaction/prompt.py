@@ -61,15 +61,27 @@ def _without_billing_header(content):
     return out
 
 
+_COMMON = ("role", "content", "name", "task")
+_KEEP = {"assistant": frozenset(_COMMON + ("tool_calls", "reasoning", "reasoning_content")),
+         "tool": frozenset(_COMMON + ("tool_call_id",)), "developer": frozenset(_COMMON + ("tools",)),
+         None: frozenset(_COMMON)}   # the keys vLLM hands the template, by role
+
+
 def as_engine_sees(messages: list[Message]) -> list[Message]:
     """Messages as vLLM hands them to the chat template, so our render matches the engine's token
     for token: tool-call arguments parsed from JSON strings into objects (invalid or non-object
     JSON becomes ``{}``), an empty ``tool_calls`` dropped, an assistant's ``reasoning`` (or
-    ``reasoning_content``) given as both, a tool result's text parts joined with newlines, and
-    Claude Code's billing-header line dropped from a system message."""
+    ``reasoning_content``) given as both, a tool result's text parts joined with newlines,
+    Claude Code's billing-header line dropped from a system message, and only the keys vLLM keeps
+    (``_KEEP``; a developer message's ``tools`` always present)."""
     out = []
     for m in messages:
         role = m.get("role")
+        keep = _KEEP.get(role, _KEEP[None])
+        if any(k not in keep for k in m):
+            m = {k: v for k, v in m.items() if k in keep}
+        if role == "developer" and "tools" not in m:
+            m = {**m, "tools": None}
         if role == "assistant":
             r = m.get("reasoning") if m.get("reasoning") is not None else m.get("reasoning_content")
             if r is not None:
