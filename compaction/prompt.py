@@ -224,6 +224,8 @@ class PromptRenderer:
         self.tokenizer = tokenizer
         self.count_text = lru_cache(maxsize=cache_size)(self._tokens_in)
         self._bounds: dict[str, int] = {}
+        self._wholes: OrderedDict[tuple, str] = OrderedDict()
+        self._lock = threading.Lock()
         self.known = KnownMessages()
         self._cache = SegmentCache()
         self._edges = Boundaries(tokenizer)
@@ -249,6 +251,20 @@ class PromptRenderer:
             return ""
         return self.tokenizer.apply_chat_template(as_engine_sees(messages), tools=tools or None, tokenize=False,
                                                   add_generation_prompt=generation_prompt)
+
+    def _whole(self, messages: list[Message], tools: list | None) -> str:
+        """The whole prompt's text where the template renders whole conversations, kept for the
+        last few conversations: a request counts its prompt, then sends its ids, rendering once."""
+        key = (*self.known.keys(messages), self._tools_key(tools))
+        with self._lock:
+            text = self._wholes.get(key)
+        if text is None:
+            text = self._render_full(messages, tools, True)
+            with self._lock:
+                self._wholes[key] = text
+                while len(self._wholes) > 8:
+                    self._wholes.popitem(last=False)
+        return text
 
     def render_text(self, messages: list[Message], tools: list | None, generation_prompt: bool) -> str:
         """The prompt text, as the chat template renders it."""
@@ -380,7 +396,7 @@ class PromptRenderer:
                 ends = layout.ends
                 return RenderedPrompt(layout.text + gen.text, ids + gen.ids.tolist(), list(zip([0] + ends[:-1], ends)))
             return self._tokenize(layout.text + gen.text, layout.chars)
-        return self._tokenize(self._render_full(messages, tools, True), self.char_bounds(messages, tools))
+        return self._tokenize(self._whole(messages, tools), self.char_bounds(messages, tools))
 
     def _tokenize(self, text: str, bounds: list[int]) -> RenderedPrompt:
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -402,6 +418,6 @@ class PromptRenderer:
         if p is not None:
             return p[0].ends[-1] + len(p[1].ids)
         bounds = [0] + self.char_bounds(messages, tools)
-        full = self._render_full(messages, tools, True)
+        full = self._whole(messages, tools)
         pieces = [full[a:b] for a, b in zip(bounds, bounds[1:])] + [full[bounds[-1]:]]
         return sum(self.count_text(p) for p in pieces if p)

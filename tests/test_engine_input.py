@@ -172,16 +172,17 @@ def test_tools_are_rendered_as_vllm_dumps_them():
 
 def test_the_front_render_is_checked_against_the_engines(server):
     """Before the first token-in request the front's render of a probe conversation is compared
-    with the engine's own: the served model's renderer passes; another model's (SmolLM2's template
-    and tokenizer against the test model's engine) fails, and then every request goes as messages."""
+    with the engine's own: the served model's renderer passes, rendering by segments or whole;
+    another model's (SmolLM2's template and tokenizer against the test model's engine) fails, and
+    then every request goes as messages."""
     if not (model_dir(REAL) / "tokenizer.json").exists():
         pytest.skip(f"{REAL} is not built here (./setup.sh builds it)")
     socket, secret = engine_of(server.proc.pid)
 
-    async def check(path) -> tuple[bool, str | None]:
+    async def check(path, segments: bool = True) -> tuple[bool, str | None]:
         engine = EngineClient(socket.removeprefix("unix:"), secret)
         try:
-            ei = EngineInput("tokens", PromptRenderer.from_pretrained(str(path)), TINY)
+            ei = EngineInput("tokens", PromptRenderer.from_pretrained(str(path), segments=segments), TINY)
             ok = await ei.check(engine)
             make = await ei.for_turn(engine, {"messages": PROBE, "tools": engine_tools(PROBE_TOOLS)}, None)
             return ok, make({"messages": PROBE}).get("kv_transfer_params")
@@ -191,6 +192,8 @@ def test_the_front_render_is_checked_against_the_engines(server):
     tiny = model_dir(TINY)
     ok, kv = asyncio.run(check(tiny))
     assert ok and kv["prompt_token_ids"]
+    # rendering whole conversations (templates that do not render message by message): the same ids
+    assert asyncio.run(check(tiny, segments=False)) == (ok, kv)
     ok, kv = asyncio.run(check(model_dir(REAL)))
     assert not ok and kv is None
     assert metric(server, "messages", "render_mismatch") == 0   # the server's own render passed its check

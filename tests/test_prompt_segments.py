@@ -216,3 +216,18 @@ def test_the_cache_is_bounded(tiny_model_dir):
     held = [x for g in cache._layouts.values() for x in g if x.ids is not None]
     assert sorted(map(id, held)) == sorted(cache._with_ids) and cache._id_tokens == sum(len(x.ids) for x in held)
     assert cache._id_tokens <= 100 or len(held) == 1
+
+
+def test_a_whole_render_is_made_once_per_conversation(tiny_model_dir):
+    """Where the template renders whole conversations, counting a prompt and then taking its ids
+    (a turn on the token-in path) renders the template once."""
+    from agentkv.compaction.prompt import PromptRenderer
+
+    r = PromptRenderer.from_pretrained(str(tiny_model_dir), segments=False)
+    calls = []
+    full = r._render_full
+    r._render_full = lambda *a: calls.append(a[2]) or full(*a)
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hello there"}]
+    n = r.count(msgs)
+    assert len(r.render(msgs).token_ids) == n
+    assert calls.count(True) == 1   # the prompt with its generation prompt, once
