@@ -19,10 +19,13 @@ from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_t
 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], tokens: int) -> dict:
+    """One streamed completion: its first and last text chunk's times and its tokens as the engine
+    counts them (usage: a chunk may carry more than one token when the reader falls behind)."""
     t0 = time.perf_counter()
     stamps: list[float] = []
+    n = 0
     body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     async with client.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -30,7 +33,8 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
                 chunk = json.loads(line[5:])
                 if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
                     stamps.append(time.perf_counter())
-    n = len(stamps)
+                n = (chunk.get("usage") or {}).get("completion_tokens") or n
+    n = n or len(stamps)
     return {"ttft_s": stamps[0] - t0, "tokens": n, "end": stamps[-1],
             "decode_tok_s": (n - 1) / (stamps[-1] - stamps[0]) if n > 1 and stamps[-1] > stamps[0] else None}
 
