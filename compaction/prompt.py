@@ -65,6 +65,40 @@ _COMMON = ("role", "content", "name", "task")
 _KEEP = {"assistant": frozenset(_COMMON + ("tool_calls", "reasoning", "reasoning_content")),
          "tool": frozenset(_COMMON + ("tool_call_id",)), "developer": frozenset(_COMMON + ("tools",)),
          None: frozenset(_COMMON)}   # the keys vLLM hands the template, by role
+_DROPPED_NULL = frozenset(("tool_calls", "reasoning", "reasoning_content"))   # vLLM leaves these out when null
+
+
+def template_text(template) -> str | None:
+    """A tokenizer's chat template as one text (named templates, a dict, joined)."""
+    return "\n".join(template.values()) if isinstance(template, dict) else template
+
+
+def takes_developer(template: str | None) -> bool:
+    """Whether a chat template knows the developer role (vLLM's test: the quoted name in it)."""
+    return bool(template) and ('"developer"' in template or "'developer'" in template)
+
+
+def developer_as_system(messages: list[Message]) -> list[Message]:
+    """What vLLM renders for a template that does not know the developer role: developer messages
+    become system ones, and all system messages are merged into one at the start (their texts
+    joined by blank lines, a message's text parts by newlines)."""
+    if not any(m.get("role") == "developer" for m in messages):
+        return messages
+    conv = [{**{k: v for k, v in m.items() if k != "tools"}, "role": "system"} if m.get("role") == "developer" else m
+            for m in messages]
+    texts, rest, merge = [], [], False
+    for i, m in enumerate(conv):
+        if m.get("role") != "system":
+            rest.append(m)
+            continue
+        merge = merge or i > 0 or bool(texts)
+        content = m.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(p["text"] if isinstance(p, dict) else p for p in content
+                                 if (isinstance(p, dict) and "text" in p) or isinstance(p, str))
+        if content:
+            texts.append(content)
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest] if merge else conv
 
 
 def as_engine_sees(messages: list[Message]) -> list[Message]:
@@ -78,8 +112,11 @@ def as_engine_sees(messages: list[Message]) -> list[Message]:
     for m in messages:
         role = m.get("role")
         keep = _KEEP.get(role, _KEEP[None])
-        if any(k not in keep for k in m):
-            m = {k: v for k, v in m.items() if k in keep}
+        if any(k not in keep or (v is None and k in _DROPPED_NULL) for k, v in m.items()):
+            m = {k: v for k, v in m.items() if k in keep and not (v is None and k in _DROPPED_NULL)}
+        for k in ("name", "task"):
+            if k in m and not isinstance(m[k], str):
+                m = {x: v for x, v in m.items() if x != k}
         if role == "developer" and "tools" not in m:
             m = {**m, "tools": None}
         if role == "assistant":
@@ -225,6 +262,7 @@ class PromptRenderer:
         self.count_text = lru_cache(maxsize=cache_size)(self._tokens_in)
         self._bounds: dict[str, int] = {}
         self._wholes: OrderedDict[tuple, str] = OrderedDict()
+        self.takes_developer = takes_developer(template_text(getattr(tokenizer, "chat_template", None)))
         self._lock = threading.Lock()
         self.known = KnownMessages()
         self._cache = SegmentCache()

@@ -185,7 +185,7 @@ def test_the_front_render_is_checked_against_the_engines(server):
             ei = EngineInput("tokens", PromptRenderer.from_pretrained(str(path), segments=segments), TINY)
             ok = await ei.check(engine)
             make = await ei.for_turn(engine, {"messages": PROBE, "tools": engine_tools(PROBE_TOOLS)}, None)
-            return ok, make({"messages": PROBE}).get("kv_transfer_params")
+            return ok, (await make({"messages": PROBE})).get("kv_transfer_params")
         finally:
             await engine.aclose()
 
@@ -222,3 +222,50 @@ def test_a_conversation_the_template_refuses_is_a_400_in_each_apis_shape():
     assert chat.json()["error"]["param"] == "messages" and responses.json()["error"]["param"] == "input"
     assert "roles must alternate" in chat.json()["error"]["message"]
     assert messages.json()["type"] == "error" and "roles must alternate" in messages.json()["error"]["message"]
+
+
+def test_developer_messages_are_rendered_as_vllm_renders_them(server):
+    """A template that does not know the developer role (the test model's, SmolLM2's): vLLM makes
+    developer messages system ones and merges every system message into the first. The front
+    sends what vLLM would render, so its ids are vLLM's render of the client's messages."""
+    from agentkv.compaction.prompt import developer_as_system
+
+    socket, secret = engine_of(server.proc.pid)
+    msgs = [{"role": "system", "content": "You are Codex."},
+            {"role": "developer", "content": [{"type": "text", "text": "sandbox: read-only"},
+                                              {"type": "text", "text": "approvals: never"}]},
+            {"role": "user", "content": "List the files."},
+            {"role": "developer", "content": "The user changed the sandbox."},
+            {"role": "user", "content": "Go on."}]
+
+    async def both() -> tuple[list[int], list[int]]:
+        engine = EngineClient(socket.removeprefix("unix:"), secret)
+        try:
+            _, theirs = await engine.post_json("/tokenize", {"model": TINY, "messages": msgs,
+                                                             "add_generation_prompt": True})
+        finally:
+            await engine.aclose()
+        renderer = PromptRenderer.from_pretrained(str(model_dir(TINY)))
+        assert not renderer.takes_developer
+        return renderer.render(developer_as_system(msgs)).token_ids, theirs["tokens"]
+
+    mine, theirs = asyncio.run(both())
+    assert mine == theirs
+    answers = [server.http().post("/v1/chat/completions", json={
+        "model": TINY, "messages": msgs, "max_tokens": 6, "temperature": 0, "engine_input": ei}).json()
+        for ei in ("tokens", "messages")]
+    assert answers[0]["choices"] == answers[1]["choices"] and answers[0]["usage"]["prompt_tokens"] == len(theirs)
+
+
+@pytest.mark.parametrize("template, args, model_type, why", [
+    ("{{ strftime_now('%Y') }}{{ messages }}", (), "llama", "reads the clock"),
+    ("{{ messages }}", ("--chat-template=/x.jinja",), "llama", "--chat-template"),
+    ("{{ messages }}", ("--default-chat-template-kwargs", "{}"), "llama", "--default-chat-template-kwargs"),
+    ("{{ messages }}", (), "gpt_oss", "harmony"),
+    ("{{ messages }}", ("--max-num-seqs=8",), "llama", None),
+])
+def test_what_the_front_cannot_render_alike_is_known_before_asking(template, args, model_type, why):
+    from agentkv.server.pipeline.engine_input import known_mismatch
+
+    found = known_mismatch(template, args, model_type)
+    assert (found is None) if why is None else (why in found)

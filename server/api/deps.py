@@ -70,6 +70,16 @@ async def warm_context(state) -> None:
     gc.freeze()
 
 
+def _model_type(path: str) -> str | None:
+    """The served model's ``model_type`` (its config), or None where it cannot be read."""
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path).model_type
+    except Exception:  # noqa: BLE001 - a model without a transformers config: no type to go by
+        return None
+
+
 def _make_context(state) -> None:
     if getattr(state, "context", None) is None:
         with state.context_lock:
@@ -82,7 +92,8 @@ def _make_context(state) -> None:
 
                 sup = state.supervisor
                 renderer = PromptRenderer.from_pretrained(sup.model_path)
-                state.engine_input = EngineInput(state.cfg.engine_input, renderer, state.cfg.model_name)
+                state.engine_input = EngineInput(state.cfg.engine_input, renderer, state.cfg.model_name,
+                                                 state.cfg.engine_args, _model_type(sup.model_path))
                 state.context = ContextManager(state.sessions, renderer, EngineModelClient(sup, state.cfg.model_name))
     return state.context
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from ..engine.client import EngineClient, EngineResponse, EngineUnavailable, decode_json, unavailable_message
@@ -27,7 +27,11 @@ from . import server_tools, window
 from .server_tools import ToolRunner
 
 PATH = "/v1/chat/completions"
-Make = Callable[[dict], dict]   # the engine request made of a chat body (``engine_input``: its ids added)
+Make = Callable[[dict], Awaitable[dict]]   # the engine request made of a chat body (``engine_input``)
+
+
+async def as_is(body: dict) -> dict:
+    return body
 log = logging.getLogger("agentkv.engine_call")
 
 
@@ -90,13 +94,13 @@ def add_usage(total: dict | None, usage: dict | None) -> dict | None:
 
 
 async def completion(engine: EngineClient, body: dict, runner: ToolRunner | None,
-                     report: dict | None = None, make: Make = dict) -> Completion | Refusal:
+                     report: dict | None = None, make: Make = as_is) -> Completion | Refusal:
     """Non-streamed, server-tool rounds resolved. A success's usage is counted in the metrics and
     the KV connector's outcome moves into ``report``'s edits."""
     usage, annotations, kv = None, [], None
     try:
         for round_ in range((runner.max_rounds if runner else 0) + 1):
-            status, payload = await engine.post_json(PATH, make(body))
+            status, payload = await engine.post_json(PATH, await make(body))
             if status != 200:
                 return Refusal(status, payload)
             found = payload.pop("kv_transfer_params", None)   # the KV connector's report, of the edited round
@@ -132,11 +136,11 @@ def with_usage(body: dict) -> dict:
 
 
 async def open_stream(engine: EngineClient, body: dict, runner: ToolRunner | None,
-                      make: Make = dict) -> EngineStream | Refusal:
+                      make: Make = as_is) -> EngineStream | Refusal:
     """Start the engine's stream (usage always asked for: the encoders need it), or its refusal."""
     body = with_usage(body)
     try:
-        resp = await engine.post_stream(PATH, make(body))
+        resp = await engine.post_stream(PATH, await make(body))
         if resp.status_code != 200:
             return Refusal(*await resp.json())
     except EngineUnavailable as exc:
@@ -161,7 +165,7 @@ async def sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 class EngineStream:
     def __init__(self, engine: EngineClient, body: dict, runner: ToolRunner | None, first: EngineResponse,
-                 make: Make = dict):
+                 make: Make = as_is):
         self.engine, self.body, self.runner, self._resp, self._make = engine, body, runner, first, make
         self.usage: dict | None = None
         self.server_tool_calls: list[dict] = []
@@ -228,7 +232,7 @@ class EngineStream:
                 self.server_tool_calls += results
                 self.body = next_round(self.body, None, ours, results, runner.refit_output)
                 try:
-                    resp = await self.engine.post_stream(PATH, self._make(self.body))
+                    resp = await self.engine.post_stream(PATH, await self._make(self.body))
                     if resp.status_code != 200:  # the follow-up was refused (e.g. the context is full)
                         self.error = (await resp.json())[1]
                         return

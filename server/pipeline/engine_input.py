@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jinja2
 
-from ...compaction.prompt import Message, PromptRenderer, engine_tools
+from ...compaction.prompt import Message, PromptRenderer, engine_tools, template_text
 from ..engine.client import EngineClient, EngineUnavailable
+from .engine_call import Make
 from ..metrics import ENGINE_INPUT
 from ..options import EngineInputMode
 
@@ -45,7 +45,8 @@ log = logging.getLogger("agentkv.engine_input")
 
 # vLLM chat fields that change its render where the front renders without them (set: messages)
 RENDER_FIELDS = ("chat_template", "chat_template_kwargs", "continue_final_message", "echo", "add_special_tokens",
-                 "truncate_prompt_tokens", "mm_processor_kwargs", "media_io_kwargs")
+                 "truncate_prompt_tokens", "mm_processor_kwargs", "media_io_kwargs",
+                 "return_prompt_text")   # the prompt's text comes back only where vLLM rendered it
 # vLLM chat fields it hands the chat template: they matter only to a template that reads them
 TEMPLATE_FIELDS = {"documents": ("documents",), "reasoning_effort": ("reasoning_effort", "enable_thinking"),
                    "tool_choice": ("tool_choice",), "response_format": ("response_format",)}
@@ -63,8 +64,9 @@ PROBE = [{"role": "system", "content": "x-anthropic-billing-header: cc_version=1
 PARTS_PROBE = [{"role": "user", "content": [{"type": "text", "text": "Read"}, {"type": "text", "text": "this."}]}]
 
 
-def template_variables(template: str | None) -> frozenset[str]:
+def template_variables(template) -> frozenset[str]:
     """The variables a chat template reads (those it does not set itself)."""
+    template = template_text(template)
     if not template:
         return frozenset()
     try:
@@ -100,26 +102,52 @@ def why_messages(body: dict[str, Any], template_reads: frozenset[str]) -> str | 
     return None
 
 
-class EngineInput:
-    """The server's engine-input setting and what it has found out about the engine's render."""
+def known_mismatch(template: str | None, engine_args: tuple[str, ...], model_type: str | None) -> str | None:
+    """Why the front cannot render as the engine does, known before asking it."""
+    if template and "strftime_now" in template:
+        return "the chat template reads the clock (vLLM renders it at each request)"
+    for flag in ("--chat-template", "--default-chat-template-kwargs", "--chat-template-content-format", "--tokenizer"):
+        if any(a == flag or a.startswith(flag + "=") for a in engine_args):
+            return f"the engine runs with {flag}"
+    if model_type == "gpt_oss":
+        return "gpt-oss prompts are rendered by vLLM's harmony encoder"
+    return None
 
-    def __init__(self, mode: EngineInputMode, renderer: PromptRenderer, model: str):
+
+class EngineInput:
+    """The server's engine-input setting and what it has found out about the engine's render.
+    ``engine_args``: the server's extra vLLM arguments; ``model_type``: the served model's."""
+
+    def __init__(self, mode: EngineInputMode, renderer: PromptRenderer, model: str,
+                 engine_args: tuple[str, ...] = (), model_type: str | None = None):
         self.mode, self.renderer, self.model = mode, renderer, model
-        self.template_reads = template_variables(getattr(renderer.tokenizer, "chat_template", None))
-        self.mismatch: str | None = None      # why the front's render is not the engine's (checked once)
+        template = template_text(getattr(renderer.tokenizer, "chat_template", None))
+        self.template_reads = template_variables(template)
+        # why the front's render is not the engine's (known, or found by the check)
+        self.mismatch: str | None = known_mismatch(template, engine_args, model_type)
+        self.exclude_tools_none = "--exclude-tools-when-tool-choice-none" in engine_args
         self.parts_differ = False             # content given as parts renders differently (checked once)
-        self._checked = False
+        self._checked = self.mismatch is not None
+        if self.mismatch and mode == "tokens":
+            log.warning("%s: every prompt goes to vLLM as messages", self.mismatch)
         self._lock = asyncio.Lock()
 
     async def _differs(self, engine: EngineClient, messages: list[Message], tools: list | None) -> str | None:
-        """Where the front's render of ``messages`` differs from the engine's (``/tokenize``)."""
+        """Where the front's render of ``messages`` differs from the engine's (``/tokenize``);
+        the engine unreachable or failing (5xx): ``EngineUnavailable`` (asked again later)."""
         body = {"model": self.model, "messages": messages, "add_generation_prompt": True}
         if tools:
             body["tools"] = tools
         status, payload = await engine.post_json("/tokenize", body)
-        if status != 200:
+        if status >= 500:
             raise EngineUnavailable(f"/tokenize answered {status}")
-        mine, theirs = self.renderer.render(messages, engine_tools(tools)).token_ids, payload.get("tokens") or []
+        if status != 200:   # the engine's template refuses the probe: it cannot vouch for the front's
+            return f"the engine's /tokenize refused the probe ({status})"
+        try:
+            mine = self.renderer.render(messages, engine_tools(tools)).token_ids
+        except Exception as exc:  # noqa: BLE001 - the front's template refuses the probe
+            return f"the front could not render the probe ({exc.__class__.__name__})"
+        theirs = payload.get("tokens") or []
         if mine == theirs:
             return None
         at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
@@ -142,8 +170,7 @@ class EngineInput:
                 self._checked = True
         return self.mismatch is None
 
-    async def for_turn(self, engine: EngineClient, body: dict[str, Any],
-                       asked: EngineInputMode | None) -> Callable[[dict], dict]:
+    async def for_turn(self, engine: EngineClient, body: dict[str, Any], asked: EngineInputMode | None) -> Make:
         """How each engine request of a turn is made from its chat body: the ids added (tokens
         path), or the body as it is; ``asked``: the request's own ``engine_input``."""
         reason = None
@@ -153,6 +180,8 @@ class EngineInput:
             reason = "request"
         else:
             reason = why_messages(body, self.template_reads)
+        if reason is None and self.exclude_tools_none and body.get("tool_choice") == "none" and body.get("tools"):
+            reason = "exclude_tools_when_tool_choice_none"   # vLLM renders without the tools
         if reason is None:
             try:
                 if not await self.check(engine):
@@ -161,9 +190,7 @@ class EngineInput:
                     reason = "content_parts"
             except EngineUnavailable:   # the engine is starting or gone: this turn goes as messages
                 reason = "unchecked"
-        if reason is not None:
-            return InputPath("messages", reason, self.renderer).request
-        return InputPath("tokens", "", self.renderer).request
+        return InputPath("messages" if reason else "tokens", reason or "", self.renderer).request
 
 
 @dataclass
@@ -175,10 +202,14 @@ class InputPath:
     reason: str
     renderer: PromptRenderer
 
-    def request(self, body: dict) -> dict:
+    async def request(self, body: dict) -> dict:
         ENGINE_INPUT.labels(self.input, self.reason).inc()
         if self.input == "messages":
             return body
-        ids = self.renderer.render(body["messages"], body.get("tools")).token_ids   # cached per message
-        kv = {**(body.get("kv_transfer_params") or {}), "prompt_token_ids": ids}
+        args = (body["messages"], body.get("tools"))
+        # cached segments join in a millisecond; a whole render (a template that does not render
+        # message by message) tokenizes the whole prompt: off the event loop
+        render = self.renderer.render(*args) if self.renderer.segmented else \
+            await asyncio.to_thread(self.renderer.render, *args)
+        kv = {**(body.get("kv_transfer_params") or {}), "prompt_token_ids": render.token_ids}
         return {**body, "kv_transfer_params": kv}

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...compaction.policy import ContextManagement
-from ...compaction.prompt import Message, engine_tools
+from ...compaction.prompt import Message, developer_as_system, engine_tools
 from ..config import ServeConfig
 from ..engine.client import EngineClient
 from ..kv import reuse as kv_reuse
@@ -118,7 +118,8 @@ async def prepare_turn(state, engine: EngineClient, ctx, owner: str, turn: TurnI
                             turn.policy, engine_form=turn.engine_form,
                             shifting=cfg.kv_connector and mode != "recompute",
                             salt=cache_salt.exact(owner, None, cfg.shared_prefix_cache))
-    body = {**turn.body, "messages": prepared.messages}
+    messages = prepared.messages if ctx.renderer.takes_developer else developer_as_system(prepared.messages)
+    body = {**turn.body, "messages": messages}   # developer messages as vLLM would render them, for both paths
     if tools:
         body["tools"] = tools
     lowered = window.fit_output(body, prepared.report["prompt_tokens_after"], sup.max_model_len, turn.param)
