@@ -166,6 +166,7 @@ def plot(rows: list[dict], title: str):
     b.set_ylabel("CPU per request: front + vLLM API server (ms)")
     for ax in (a, b):
         ax.legend(fontsize=7)
+        ax.xaxis.set_major_formatter(lambda x, _: f"{x / 1000:.0f}k")
     fig.suptitle(title, fontsize=9)
     return fig
 
