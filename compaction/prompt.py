@@ -287,8 +287,8 @@ class PromptRenderer:
     def _render_full(self, messages: list[Message], tools: list | None, generation_prompt: bool) -> str:
         if not messages:
             return ""
-        return self.tokenizer.apply_chat_template(as_engine_sees(messages), tools=tools or None, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+        return self.tokenizer.apply_chat_template(as_engine_sees(messages), tools=engine_tools(tools) or None,
+                                                  tokenize=False, add_generation_prompt=generation_prompt)
 
     def _whole(self, messages: list[Message], tools: list | None) -> str:
         """The whole prompt's text where the template renders whole conversations, kept for the

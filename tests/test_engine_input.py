@@ -184,7 +184,7 @@ def test_the_front_render_is_checked_against_the_engines(server):
         try:
             ei = EngineInput("tokens", PromptRenderer.from_pretrained(str(path), segments=segments), TINY)
             ok = await ei.check(engine)
-            make = await ei.for_turn(engine, {"messages": PROBE, "tools": engine_tools(PROBE_TOOLS)}, None)
+            make = await ei.for_turn(engine, {"messages": PROBE, "tools": PROBE_TOOLS}, None)
             return ok, (await make({"messages": PROBE})).get("kv_transfer_params")
         finally:
             await engine.aclose()

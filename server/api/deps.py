@@ -87,7 +87,6 @@ def _make_context(state) -> None:
                 from ...compaction.prompt import PromptRenderer
                 from ..pipeline.context import ContextManager
                 from ..engine.summarizer import EngineModelClient
-
                 from ..pipeline.engine_input import EngineInput
 
                 sup = state.supervisor

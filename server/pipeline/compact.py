@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ...compaction.config import Compact
 from ...compaction.policy import ContextManagement, summary_limit
-from ...compaction.prompt import Message, engine_tools
+from ...compaction.prompt import Message
 from ...compaction.summarize import is_summary
 from ..errors import APIError
 from .context import Prepared, manage
@@ -43,7 +43,6 @@ async def compact_now(state, ctx, owner: str, ref: SessionRef, conversation: lis
     is a 503 (``compaction_failed``): the client asked for it and gets no silent no-op. A system
     prompt and tools that fill the window alone are refused first (no summary can make them fit)."""
     window = state.supervisor.max_model_len
-    tools = engine_tools(tools)   # counted as the engine renders them, as a turn's are
     check_fixed_part(ctx.renderer, conversation, tools, window, engine_form, param)
     prepared = await manage(ctx, state.cfg, window, owner, ref, conversation, tools,
                             explicit_policy(window, instructions), engine_form=engine_form)

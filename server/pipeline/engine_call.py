@@ -28,11 +28,12 @@ from .server_tools import ToolRunner
 
 PATH = "/v1/chat/completions"
 Make = Callable[[dict], Awaitable[dict]]   # the engine request made of a chat body (``engine_input``)
+log = logging.getLogger("agentkv.engine_call")
 
 
 async def as_is(body: dict) -> dict:
+    """The engine request of a chat body that goes as it is."""
     return body
-log = logging.getLogger("agentkv.engine_call")
 
 
 @dataclass

@@ -34,12 +34,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import jinja2
+from jinja2 import meta
 
-from ...compaction.prompt import Message, PromptRenderer, engine_tools, template_text
+from ...compaction.prompt import Message, PromptRenderer, template_text
 from ..engine.client import EngineClient, EngineUnavailable
-from .engine_call import Make
 from ..metrics import ENGINE_INPUT
 from ..options import EngineInputMode
+from .engine_call import Make
 
 log = logging.getLogger("agentkv.engine_input")
 
@@ -70,8 +71,6 @@ def template_variables(template) -> frozenset[str]:
     if not template:
         return frozenset()
     try:
-        from jinja2 import meta
-
         return frozenset(meta.find_undeclared_variables(jinja2.Environment().parse(template)))
     except jinja2.TemplateError:   # a template jinja2 cannot parse: assume it reads everything
         return frozenset(v for names in TEMPLATE_FIELDS.values() for v in names)
@@ -144,7 +143,7 @@ class EngineInput:
         if status != 200:   # the engine's template refuses the probe: it cannot vouch for the front's
             return f"the engine's /tokenize refused the probe ({status})"
         try:
-            mine = self.renderer.render(messages, engine_tools(tools)).token_ids
+            mine = self.renderer.render(messages, tools).token_ids
         except Exception as exc:  # noqa: BLE001 - the front's template refuses the probe
             return f"the front could not render the probe ({exc.__class__.__name__})"
         theirs = payload.get("tokens") or []

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...compaction.policy import ContextManagement
-from ...compaction.prompt import Message, developer_as_system, engine_tools
+from ...compaction.prompt import Message, developer_as_system
 from ..config import ServeConfig
 from ..engine.client import EngineClient
 from ..kv import reuse as kv_reuse
@@ -111,7 +111,6 @@ async def prepare_turn(state, engine: EngineClient, ctx, owner: str, turn: TurnI
     sup = state.supervisor
     on = turn.fields.server_tools if turn.fields.server_tools is not None else cfg.server_tools
     tools = server_tools.with_server_tools(turn.tools) if on else turn.tools   # reserved names: 400 before logging
-    tools = engine_tools(tools)   # as vLLM gives them to the template: counted and rendered as the engine does
     window.check_fixed_part(ctx.renderer, turn.conversation, tools, sup.max_model_len, turn.engine_form, turn.param)
     mode = turn.fields.kv_reuse or cfg.kv_reuse
     prepared = await manage(ctx, cfg, sup.max_model_len, owner, turn.session, turn.conversation, tools,
