@@ -1,6 +1,8 @@
 """The exact prompt the engine sees, with each message's token range; token counting per message.
 
-Rendering uses the served model's tokenizer and chat template (transformers). A message's range is
+Rendering uses the served model's tokenizer and a render of the conversation's text: in the server
+vLLM's own (message normalization, tool dumping, chat template: ``server.render.engine_chat``),
+in library use transformers' ``apply_chat_template``. A message's range is
 found by rendering prefixes: message ``i`` spans from the end of ``render(messages[:i])`` to the end
 of ``render(messages[:i+1])``, which holds for templates that render messages in order (ChatML and
 the like). Counting is incremental: each message's segment is tokenized once and cached.
@@ -8,22 +10,27 @@ the like). Counting is incremental: each message's segment is tokenized once and
 
 from __future__ import annotations
 
-import copy
+import contextlib
+import contextvars
 import hashlib
-import json
 import logging
 import threading
 from array import array
+from bisect import bisect_left
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+import msgspec
+
 from .prompt_segments import (Boundaries, Layout, NotLocal, RenderText, Segment, SegmentCache, TemplateCheck,
                               check_template, context, generation_text, memo, segment_text)
+from .token_cache import Splits, TokenCache
 
 Message = dict[str, Any]
-log = logging.getLogger("agentkv.prompt")
+log = logging.getLogger(__name__)
 
 
 def content_text(content) -> str:
@@ -33,205 +40,51 @@ def content_text(content) -> str:
     return "".join(p.get("text", "") for p in content or [] if isinstance(p, dict))
 
 
-BILLING_HEADER = "x-anthropic-billing-header"   # Claude Code's per-request line, which vLLM drops
-
-
-def _text_of(part) -> str | None:
-    if isinstance(part, str):
-        return part
-    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-        return part["text"]
-    return None
-
-
-def _without_billing_header(content):
-    """A system message's content less Claude Code's billing-header line, as vLLM drops it (a
-    string stays a string, parts stay parts)."""
-    if isinstance(content, str):
-        return content.partition("\n")[2] if content.startswith(BILLING_HEADER) else content
-    if not isinstance(content, list) or not any((_text_of(p) or "").startswith(BILLING_HEADER) for p in content):
-        return content
-    out = []
-    for p in content:
-        text = _text_of(p)
-        if text is None or not text.startswith(BILLING_HEADER):
-            out.append(p)
-        elif rest := text.partition("\n")[2]:
-            out.append({**p, "text": rest} if isinstance(p, dict) else rest)
-    return out
-
-
-_COMMON = ("role", "content", "name", "task")
-_KEEP = {"assistant": frozenset(_COMMON + ("tool_calls", "reasoning", "reasoning_content")),
-         "tool": frozenset(_COMMON + ("tool_call_id",)), "developer": frozenset(_COMMON + ("tools",)),
-         None: frozenset(_COMMON)}   # the keys vLLM hands the template, by role
-_DROPPED_NULL = frozenset(("tool_calls", "reasoning", "reasoning_content"))   # vLLM leaves these out when null
-
-
 def template_text(template) -> str | None:
     """A tokenizer's chat template as one text (named templates, a dict, joined)."""
     return "\n".join(template.values()) if isinstance(template, dict) else template
 
 
-def takes_developer(template: str | None) -> bool:
-    """Whether a chat template knows the developer role (vLLM's test: the quoted name in it)."""
-    return bool(template) and ('"developer"' in template or "'developer'" in template)
+_ENCODE = msgspec.json.Encoder(enc_hook=str)
 
 
-def developer_as_system(messages: list[Message]) -> list[Message]:
-    """What vLLM renders for a template that does not know the developer role: developer messages
-    become system ones, and all system messages are merged into one at the start (their texts
-    joined by blank lines, a message's text parts by newlines)."""
-    if not any(m.get("role") == "developer" for m in messages):
-        return messages
-    conv = [{**{k: v for k, v in m.items() if k != "tools"}, "role": "system"} if m.get("role") == "developer" else m
-            for m in messages]
-    texts, rest, merge = [], [], False
-    for i, m in enumerate(conv):
-        if m.get("role") != "system":
-            rest.append(m)
-            continue
-        merge = merge or i > 0 or bool(texts)
-        content = m.get("content", "")
-        if isinstance(content, list):
-            content = "\n".join(p["text"] if isinstance(p, dict) else p for p in content
-                                 if (isinstance(p, dict) and "text" in p) or isinstance(p, str))
-        if content:
-            texts.append(content)
-    return [{"role": "system", "content": "\n\n".join(texts)}, *rest] if merge else conv
+def message_key(message: Any) -> str:
+    """A digest of a message (or any JSON value) exact to the byte: keys in their order, ``10``,
+    ``10.0`` and ``true`` all different (Python's ``==`` takes them as equal, a template does not)."""
+    return hashlib.sha256(_ENCODE.encode(message)).hexdigest()
 
 
-def as_engine_sees(messages: list[Message]) -> list[Message]:
-    """Messages as vLLM hands them to the chat template, so our render matches the engine's token
-    for token: tool-call arguments parsed from JSON strings into objects (invalid or non-object
-    JSON becomes ``{}``), an empty ``tool_calls`` dropped, an assistant's ``reasoning`` (or
-    ``reasoning_content``) given as both, a tool result's text parts joined with newlines,
-    Claude Code's billing-header line dropped from a system message, and only the keys vLLM keeps
-    (``_KEEP``; a developer message's ``tools`` always present)."""
-    out = []
-    for m in messages:
-        role = m.get("role")
-        keep = _KEEP.get(role, _KEEP[None])
-        if any(k not in keep or (v is None and k in _DROPPED_NULL) for k, v in m.items()):
-            m = {k: v for k, v in m.items() if k in keep and not (v is None and k in _DROPPED_NULL)}
-        for k in ("name", "task"):
-            if k in m and not isinstance(m[k], str):
-                m = {x: v for x, v in m.items() if x != k}
-        if role == "developer" and "tools" not in m:
-            m = {**m, "tools": None}
-        if role == "assistant":
-            r = m.get("reasoning") if m.get("reasoning") is not None else m.get("reasoning_content")
-            if r is not None:
-                m = {**m, "reasoning": r, "reasoning_content": r}
-            if isinstance(m.get("tool_calls"), list) and not m["tool_calls"]:
-                m = {k: v for k, v in m.items() if k != "tool_calls"}
-        elif role == "tool" and isinstance(m.get("content"), list) and all(
-                isinstance(p, dict) and p.get("type") == "text" for p in m["content"]):
-            m = {**m, "content": "\n".join(p.get("text", "") for p in m["content"])}
-        elif role == "system" and m.get("content"):
-            content = _without_billing_header(m["content"])
-            if content is not m["content"]:
-                m = {**m, "content": content}
-        if not m.get("tool_calls"):
-            out.append(m)
-            continue
-        calls = []
-        for c in m["tool_calls"]:
-            fn = dict(c.get("function") or {})
-            args = fn.get("arguments")
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args) if args.strip() else {}
-                except ValueError:
-                    args = {}
-            fn["arguments"] = args if isinstance(args, dict) else {}
-            calls.append({**c, "function": fn})
-        out.append({**m, "tool_calls": calls})
-    return out
+_MEMO: contextvars.ContextVar[dict[int, tuple[Message, str]] | None] = contextvars.ContextVar(
+    "agentkv_message_keys", default=None)
 
 
-def engine_tools(tools: list | None) -> list | None:
-    """Tools as vLLM hands them to the chat template (its ``ChatCompletionToolsParam`` dumped):
-    a function's ``description`` and ``parameters`` present (null when missing), ``strict`` and
-    ``defer_loading`` only when set (a tool's ``defer_loading`` also given to its function), no
-    other keys. Anything that is not a function tool is left as it is (vLLM refuses it)."""
-    if not tools:
-        return tools
-    out = []
-    for t in tools:
-        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            out.append(t)
-            continue
-        defer = fn.get("defer_loading") if fn.get("defer_loading") is not None else t.get("defer_loading")
-        f = {"name": fn["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}
-        f.update({k: v for k, v in (("strict", fn.get("strict")), ("defer_loading", defer)) if v is not None})
-        tool = {"type": "function", "function": f}
-        if t.get("defer_loading") is not None:
-            tool["defer_loading"] = t["defer_loading"]
-        out.append(tool)
-    return out
-
-
-def message_key(message: Message) -> str:
-    return hashlib.sha256(json.dumps(message, sort_keys=True, default=str).encode()).hexdigest()
+@contextlib.contextmanager
+def one_step() -> Iterator[None]:
+    """Within this block a message object's key is computed once (``KnownMessages.keys``): for one
+    request's context step, which asks for the keys of the same messages several times and changes
+    none of them in place."""
+    token = _MEMO.set({})
+    try:
+        yield
+    finally:
+        _MEMO.reset(token)
 
 
 class KnownMessages:
-    """``message_key`` of each message of a list, hashing only the messages past the longest prefix
-    equal to a list seen recently: a conversation grows by appending, so its next request hashes
-    only what is new. Lists are found by their first message's key and compared message by message
-    with ``==`` (in C; no hashing, no JSON). What is compared against are private copies, so a
-    message changed in place by a caller is never mistaken for the one seen."""
-
-    def __init__(self, max_lists: int = 512, per_first: int = 16):
-        self.max_lists, self.per_first = max_lists, per_first
-        self._lists: OrderedDict[str, list[tuple[list[Message], list[str]]]] = OrderedDict()
-        self._n = 0
-        self._lock = threading.Lock()
+    """``message_key`` of each message of a list; inside ``one_step`` each message object's key is
+    computed once."""
 
     def keys(self, messages: list[Message]) -> list[str]:
-        if not messages:
-            return []
-        k0 = message_key(messages[0])
-        with self._lock:
-            group = list(self._lists.get(k0, ()))
-        best, common = None, 0
-        for seen in group:
-            c = _common_prefix(seen[0], messages)
-            if c > common:
-                best, common = seen, c
-        if best is not None and common == len(messages) == len(best[0]):
-            return list(best[1])
-        copies = best[0][:common] if best else []
-        keys = best[1][:common] if best else []
-        for m in messages[common:]:
-            copies.append(copy.deepcopy(m))
-            keys.append(message_key(m))
-        with self._lock:
-            group = self._lists.setdefault(k0, [])
-            if best is not None and common == len(best[0]) and best in group:  # extended: the old list is a prefix
-                group.remove(best)
-                self._n -= 1
-            group.insert(0, (copies, keys))
-            self._n += 1
-            self._lists.move_to_end(k0)
-            while len(group) > self.per_first:
-                group.pop()
-                self._n -= 1
-            while self._n > self.max_lists:
-                self._n -= len(self._lists.popitem(last=False)[1])
-        return list(keys)
-
-
-def _common_prefix(a: list, b: list) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+        memo = _MEMO.get()
+        if memo is None:
+            return [message_key(m) for m in messages]
+        out = []
+        for m in messages:
+            seen = memo.get(id(m))
+            if seen is None or seen[0] is not m:
+                seen = memo[id(m)] = (m, message_key(m))   # the object is held: its id is not reused
+            out.append(seen[1])
+        return out
 
 
 @dataclass(frozen=True)
@@ -249,30 +102,62 @@ class RenderedPrompt:
         return self.token_ids[a:b]
 
 
+def transformers_render(tokenizer) -> RenderText:
+    """The tokenizer's chat template applied by transformers to the messages as given (the library's
+    default; the server renders with vLLM's own normalization, ``server.render.engine_chat``)."""
+    def render(messages: list[Message], tools: list | None, generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+    return render
+
+
 class PromptRenderer:
-    """Renders and counts with one tokenizer (``transformers.PreTrainedTokenizerBase``).
+    """Renders and counts with one tokenizer (``transformers.PreTrainedTokenizerBase``) and one
+    render of a conversation's text (``render_text(messages, tools, generation_prompt)``: the
+    engine's, where there is one; else ``transformers_render``).
 
     Where the chat template allows (``prompt_segments.check_template``), a conversation's prompt is
     kept as one cached segment per message, so each call renders and tokenizes only the messages
-    not seen before (``segmented``; ``segments=False`` turns it off). Otherwise every call renders
-    the whole conversation: ``render_text`` then holds the template's full render."""
+    not seen before (``segmented``; ``segments=False`` turns it off). A conversation whose segments
+    do not join to its whole render (checked when it is first seen) is rendered whole from then on,
+    as is every conversation where the template does not allow segments: ``render_text`` then
+    holds the template's full render.
 
-    def __init__(self, tokenizer, cache_size: int = 65536, segments: bool = True):
+    Caches belong to one instance: a server keeps one per API key (``sibling``), so what one key
+    sent never shapes another key's renders or their timing."""
+
+    def __init__(self, tokenizer, cache_size: int = 65536, segments: bool = True,
+                 render_text: RenderText | None = None, check: TemplateCheck | None = None,
+                 cache: SegmentCache | None = None):
         self.tokenizer = tokenizer
+        render = render_text or transformers_render(tokenizer)
+        self._render_full: RenderText = lambda m, t, g: render(m, t, g) if m else ""   # noqa: E731
+        self._render_text = render
+        self._cache_size = cache_size
         self.count_text = lru_cache(maxsize=cache_size)(self._tokens_in)
-        self._bounds: dict[str, int] = {}
+        self._bounds: OrderedDict[str, int] = OrderedDict()
         self._wholes: OrderedDict[tuple, str] = OrderedDict()
-        self.takes_developer = takes_developer(template_text(getattr(tokenizer, "chat_template", None)))
+        self._whole_only: OrderedDict[tuple, None] = OrderedDict()   # conversations whose segments did not join
         self._lock = threading.Lock()
         self.known = KnownMessages()
-        self._cache = SegmentCache()
+        self._cache = cache or SegmentCache()
         self._edges = Boundaries(tokenizer)
-        self._tools: list[tuple[list, str]] = []
-        check = check_template(self._render_full, getattr(tokenizer, "chat_template", None)) if segments \
-            else TemplateCheck("turned off")
+        # whole prompts (a conversation the template does not render by segments) tokenized
+        # incrementally, exactly (see token_cache); a slow tokenizer tokenizes them whole
+        self._tokens = TokenCache(Splits(tokenizer), max_slots=256, max_bytes=256 << 20) \
+            if getattr(tokenizer, "is_fast", False) else None
+        if check is None:
+            check = check_template(self._render_full, getattr(tokenizer, "chat_template", None)) if segments \
+                else TemplateCheck("turned off")
+        self.check = check
         self.not_segmented, self._tools_free = check.reason, check.tools_free
-        if self.not_segmented and segments:
+        if self.not_segmented and segments and check.reason != "turned off":
             log.info("the chat template renders whole conversations (%s)", self.not_segmented)
+
+    def sibling(self, cache: SegmentCache | None = None) -> PromptRenderer:
+        """A renderer with the same tokenizer, render and template check, and caches of its own."""
+        return PromptRenderer(self.tokenizer, self._cache_size, render_text=self._render_text, check=self.check,
+                              cache=cache)
 
     @property
     def segmented(self) -> bool:
@@ -284,16 +169,10 @@ class PromptRenderer:
 
         return cls(AutoTokenizer.from_pretrained(path), segments=segments)
 
-    def _render_full(self, messages: list[Message], tools: list | None, generation_prompt: bool) -> str:
-        if not messages:
-            return ""
-        return self.tokenizer.apply_chat_template(as_engine_sees(messages), tools=engine_tools(tools) or None,
-                                                  tokenize=False, add_generation_prompt=generation_prompt)
-
     def _whole(self, messages: list[Message], tools: list | None) -> str:
         """The whole prompt's text where the template renders whole conversations, kept for the
         last few conversations: a request counts its prompt, then sends its ids, rendering once."""
-        key = (*self.known.keys(messages), self._tools_key(tools))
+        key = (*self.known.keys(messages), message_key(tools or []))
         with self._lock:
             text = self._wholes.get(key)
         if text is None:
@@ -326,21 +205,17 @@ class PromptRenderer:
         return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
 
     # -- segments (see prompt_segments) ------------------------------------------------------
-    def _tools_key(self, tools: list | None) -> str:
-        for seen, key in self._tools:
-            if seen == (tools or []):
-                return key
-        key = message_key({"tools": tools or []})
-        self._tools = [(copy.deepcopy(tools or []), key)] + self._tools[:7]
-        return key
-
     def _prompt(self, messages: list[Message], tools: list | None) -> tuple[Layout, Segment] | None:
         """The conversation's layout and generation prompt from cached segments, rendering only
         the segments not seen before; None where the whole conversation must be rendered."""
         if not self.segmented or not messages:
             return None
         keys = self.known.keys(messages)
-        tk = self._tools_key(tools)
+        tk = message_key(tools or [])
+        with self._lock:
+            if (tk, keys[0]) in self._whole_only:
+                self._whole_only.move_to_end((tk, keys[0]))
+                return None
         base, common = self._cache.longest(tk, keys)
         render = memo(self._render_full)
         try:
@@ -356,11 +231,17 @@ class PromptRenderer:
             return None
         if base is None and len(messages) > 1:  # a conversation seen for the first time: check it whole
             if render(messages, tools, True) != layout.text + gen.text:
-                self.not_segmented = "a conversation's segments did not join to its full render"
-                log.warning("the chat template does not render message by message: rendering whole "
-                            "conversations from now on")
+                self.render_whole(messages, tools)
+                log.info("a conversation's segments did not join to its whole render: it is rendered whole")
                 return None
         return layout, gen
+
+    def render_whole(self, messages: list[Message], tools: list | None) -> None:
+        """Render this conversation (its tools and first message) whole from now on."""
+        with self._lock:
+            self._whole_only[(message_key(tools or []), self.known.keys(messages[:1])[0])] = None
+            while len(self._whole_only) > 4096:
+                self._whole_only.popitem(last=False)
 
     def _segments(self, keys: list[tuple], text_of) -> list[Segment]:
         """Cached segments for ``keys``; the missing ones rendered (``text_of(i)``) and tokenized
@@ -410,20 +291,28 @@ class PromptRenderer:
         p = self._prompt(messages, tools)
         if p is not None:
             return list(p[0].chars)
-        h = hashlib.sha256(json.dumps(tools or [], sort_keys=True, default=str).encode()).hexdigest()
+        h = message_key(tools or [])
         out = []
-        for i, m in enumerate(messages):
-            h = hashlib.sha256((h + message_key(m)).encode()).hexdigest()
-            if h not in self._bounds:
-                if len(self._bounds) > 65536:
-                    self._bounds.clear()
-                self._bounds[h] = len(self._render_full(messages[: i + 1], tools, False))
-            out.append(self._bounds[h])
+        for i, k in enumerate(self.known.keys(messages)):
+            h = hashlib.sha256((h + k).encode()).hexdigest()
+            with self._lock:
+                n = self._bounds.get(h)
+            if n is None:
+                try:
+                    n = len(self._render_full(messages[: i + 1], tools, False))
+                except Exception:  # noqa: BLE001 - a prefix the template refuses (no user message yet):
+                    n = out[-1] if out else 0   # its message joins the next one's range
+                with self._lock:
+                    self._bounds[h] = n
+                    while len(self._bounds) > 65536:
+                        self._bounds.popitem(last=False)
+            out.append(n)
         return out
 
     def render(self, messages: list[Message], tools: list | None = None) -> RenderedPrompt:
         """The whole prompt's tokens; message 0's range also holds the header (tool signatures)."""
         p = self._prompt(messages, tools)
+        slot = (message_key(tools or []), *self.known.keys(messages[:1]))
         if p is not None:
             layout, gen = p
             if layout.first_unclean == len(layout.keys) and self._edges.clean(layout.segments[-1].text, gen):
@@ -433,29 +322,35 @@ class PromptRenderer:
                     self._cache.keep_ids(layout, ids)
                 ends = layout.ends
                 return RenderedPrompt(layout.text + gen.text, ids + gen.ids.tolist(), list(zip([0] + ends[:-1], ends)))
-            return self._tokenize(layout.text + gen.text, layout.chars)
-        return self._tokenize(self._whole(messages, tools), self.char_bounds(messages, tools))
+            return self._tokenize(slot, layout.text + gen.text, layout.chars)
+        return self._tokenize(slot, self._whole(messages, tools), self.char_bounds(messages, tools))
 
-    def _tokenize(self, text: str, bounds: list[int]) -> RenderedPrompt:
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    def _tokenize(self, slot: tuple, text: str, bounds: list[int]) -> RenderedPrompt:
+        """``text`` tokenized (incrementally in ``slot``), each message's range from its character
+        bound (a bound that does not fall in order with the others joins its message to the next)."""
+        if self._tokens is not None:
+            done = self._tokens.tokenized(slot, text, self._encode_offsets)
+            ids, starts = done.ids.tolist(), done.starts
+        else:
+            ids, offsets = self._encode_offsets(text)
+            starts = [a for a, _ in offsets]
         ranges, t = [], 0
         for b in bounds:
             s = t
-            while t < len(ids) and offsets[t][0] < b:
-                t += 1
+            t = max(t, bisect_left(starts, b))
             ranges.append((s, t))
         return RenderedPrompt(text, ids, ranges)
 
+    def _encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return enc["input_ids"], enc["offset_mapping"]
+
     def count(self, messages: list[Message], tools: list | None = None) -> int:
-        """Prompt tokens, from per-message segments tokenized once (equal to
-        ``len(render().token_ids)`` for templates whose message boundaries fall on special tokens)."""
+        """Prompt tokens: from per-message segments tokenized once where every boundary between
+        them falls on a special token, else the whole prompt's tokens (tokenized incrementally)."""
         if not messages:
             return 0
         p = self._prompt(messages, tools)
-        if p is not None:
+        if p is not None and p[0].first_unclean == len(p[0].keys) and self._edges.clean(p[0].segments[-1].text, p[1]):
             return p[0].ends[-1] + len(p[1].ids)
-        bounds = [0] + self.char_bounds(messages, tools)
-        full = self._whole(messages, tools)
-        pieces = [full[a:b] for a, b in zip(bounds, bounds[1:])] + [full[bounds[-1]:]]
-        return sum(self.count_text(p) for p in pieces if p)
+        return len(self.render(messages, tools).token_ids)

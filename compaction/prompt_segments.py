@@ -150,7 +150,8 @@ PROBE_KINDS: list[Message] = [
     {"role": "assistant", "content": "Assistant says."},
     {"role": "assistant", "content": None, "tool_calls": _CALL},
     {"role": "assistant", "content": "Calling two.", "tool_calls": _CALLS},
-    {"role": "assistant", "content": "Thought through.", "reasoning": "Reasoning here."},
+    {"role": "assistant", "content": "Thought through.", "reasoning": "Reasoning here.",
+     "reasoning_content": "Reasoning here."},
     {"role": "tool", "tool_call_id": "call_1", "content": "Result one."},
     {"role": "tool", "tool_call_id": "call_2", "content": "Result two."},
 ]

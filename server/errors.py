@@ -12,6 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .render.engine_chat import ConversationRefused
+
 SESSION_LOG_ERRORS = (sqlite3.OperationalError, psycopg.OperationalError)
 SESSION_LOG_OPEN_ERRORS = (sqlite3.DatabaseError, psycopg.Error)  # a --session-db that cannot be opened
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -108,6 +110,12 @@ def install_error_handlers(app: FastAPI) -> None:
         templates: roles that do not alternate, say): the request's conversation is at fault."""
         param = "input" if request.url.path.startswith("/v1/responses") else "messages"
         return _respond(request, 400, f"the model's chat template cannot render this conversation: {exc}", param)
+
+    @app.exception_handler(ConversationRefused)
+    async def _refused(request: Request, exc: ConversationRefused) -> JSONResponse:
+        """vLLM's request model or chat template refused the conversation, as the engine would."""
+        param = "input" if request.url.path.startswith("/v1/responses") else "messages"
+        return _respond(request, 400, str(exc), param)
 
     async def _log_down(request: Request, exc: Exception) -> JSONResponse:
         return _respond(request, 503, f"the session log is unavailable: {exc.__class__.__name__}",

@@ -132,11 +132,23 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_model(tmp_path_factory.mktemp("tiny") / "agentkv-tiny-2l")
 
 
+def engine_renderer(model_dir, template: str | None = None, tmp: Path | None = None):
+    """A ``PromptRenderer`` counting as the server does: vLLM's render of the model at
+    ``model_dir`` (with ``template`` as its ``--chat-template`` where given)."""
+    from agentkv.server.render.engine_chat import counting_renderer, for_model
+
+    args = []
+    if template is not None:
+        path = Path(tempfile.mkdtemp(dir=tmp)) / "template.jinja"
+        path.write_text(template)
+        args = ["--chat-template", str(path)]
+    return counting_renderer(for_model(str(model_dir), *args))
+
+
 @pytest.fixture(scope="session")
 def renderer(tiny_model_dir):
-    from agentkv.compaction.prompt import PromptRenderer
-
-    return PromptRenderer.from_pretrained(str(tiny_model_dir))
+    """The tiny model's render, as the server counts with it (vLLM's)."""
+    return engine_renderer(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,8 @@ from pydantic import ValidationError
 
 from agentkv.compaction.config import ClearThinking
 from agentkv.compaction.policy import ContextManagement
+from conftest import engine_renderer
+
 from agentkv.compaction.prompt import PromptRenderer
 from agentkv.compaction.thinking import clear_thinking, has_thinking
 
@@ -24,16 +26,16 @@ def _turns(n: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reasoning_renderer(tiny_model_dir):
-    """The tiny tokenizer under a template that renders ``reasoning_content`` (as Qwen3's does)."""
+    """The tiny model under a template that renders ``reasoning_content`` (as Qwen3's does), as
+    vLLM renders it (it gives an assistant's ``reasoning`` as ``reasoning_content`` too)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    tok.chat_template = tok.chat_template.replace(
+    template = AutoTokenizer.from_pretrained(str(tiny_model_dir)).chat_template.replace(
         "{{- '<|im_start|>assistant\\n' + text(message.content) -}}",
         "{{- '<|im_start|>assistant\\n' -}}{%- if message.reasoning_content -%}"
         "{{- '<think>' + message.reasoning_content + '</think>' -}}{%- endif -%}{{- text(message.content) -}}")
-    assert tok.chat_template.count("<think>") == 1
-    return PromptRenderer(tok)
+    assert template.count("<think>") == 1
+    return engine_renderer(tiny_model_dir, template)
 
 
 @pytest.mark.parametrize("keep, cleared", [(1, 2), (0, 3), (3, 0), ("all", 0)])

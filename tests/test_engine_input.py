@@ -1,8 +1,9 @@
 """Token ids to vLLM (``--engine-input tokens``, the default): every API's answer through the
 token-in path equals the messages path's (the request's ``engine_input: "messages"``) token for
 token, streamed and not, greedy text and tool calls, on the test model and the embedded SmolLM2;
-requests whose render the front cannot vouch for go as messages and are counted by why; the
-front's render is checked against the engine's own before it is trusted."""
+the ids are vLLM's own render of the request (the engine's ``/tokenize``), across keys and for
+what vLLM normalizes; requests vLLM renders itself go as messages and are counted by why.
+``test_render_differential`` checks the render over real chat templates in process."""
 
 from __future__ import annotations
 
@@ -14,10 +15,7 @@ import pytest
 from conftest import API_KEY, REAL, TINY
 
 from agentkv.benchmarks.front import engine_of
-from agentkv.compaction.prompt import PromptRenderer, engine_tools
-from agentkv.server.embedded_model.catalog import model_dir
 from agentkv.server.engine.client import EngineClient
-from agentkv.server.pipeline.engine_input import PROBE, PROBE_TOOLS, EngineInput
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
@@ -118,16 +116,21 @@ def test_token_ids_answer_as_messages_do(served, api, tools):
         assert "get_weather" in str(answers) or "list_cities" in str(answers)   # arguments may not parse in time
 
 
-def test_a_field_that_changes_vllms_render_goes_as_messages(server):
-    """chat_template_kwargs reach vLLM's template, which the front renders without: such a request
-    goes as messages (vLLM renders it), counted by the field; the answer is the same as without."""
-    before = metric(server, "messages", "field:chat_template_kwargs")
+def test_fields_vllm_renders_with_go_as_tokens_and_echo_as_messages(server):
+    """Fields that change vLLM's render (``chat_template_kwargs``, ``add_generation_prompt``,
+    ``continue_final_message``) are rendered by vLLM's own code in the front: the token path, the
+    same answer as the messages path. ``echo`` makes vLLM render the messages itself: messages."""
     c = server.client()
-    kw = dict(model=TINY, messages=[{"role": "user", "content": QUESTION}], max_tokens=8, temperature=0)
-    plain = c.chat.completions.create(**kw).choices[0].message.content
-    with_kwargs = c.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {}}).choices[0].message.content
-    assert with_kwargs == plain
-    assert metric(server, "messages", "field:chat_template_kwargs") == before + 1
+    msgs = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "The capital"}]
+    for extra in ({"chat_template_kwargs": {"custom": 1}}, {"add_generation_prompt": False, "continue_final_message": True}):
+        before = metric(server, "tokens", "")
+        got = [c.chat.completions.create(model=TINY, messages=msgs, max_tokens=8, temperature=0,
+                                         extra_body={**extra, "engine_input": ei}).choices[0].message.content
+               for ei in ("tokens", "messages")]
+        assert got[0] == got[1] and metric(server, "tokens", "") == before + 1
+    before = metric(server, "messages", "field:echo")
+    c.chat.completions.create(model=TINY, messages=msgs[:1], max_tokens=4, extra_body={"echo": True})
+    assert metric(server, "messages", "field:echo") == before + 1
 
 
 def test_what_vllm_normalizes_the_front_renders_alike(server):
@@ -161,42 +164,77 @@ def test_engine_input_is_validated(server):
     assert r.status_code == 400 and "engine_input" in r.text
 
 
-def test_tools_are_rendered_as_vllm_dumps_them():
-    """The front gives the template each tool as vLLM's own request model dumps it."""
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
-
-    tools = CHAT_TOOLS + [{"type": "function", "defer_loading": True, "function": {"name": "x", "strict": True}},
-                          {"function": {"name": "y", "parameters": {}, "defer_loading": False}}]
-    assert engine_tools(tools) == [ChatCompletionToolsParam.model_validate(t).model_dump() for t in tools]
-
-
-def test_the_front_render_is_checked_against_the_engines(server):
-    """Before the first token-in request the front's render of a probe conversation is compared
-    with the engine's own: the served model's renderer passes, rendering by segments or whole;
-    another model's (SmolLM2's template and tokenizer against the test model's engine) fails, and
-    then every request goes as messages."""
-    if not (model_dir(REAL) / "tokenizer.json").exists():
-        pytest.skip(f"{REAL} is not built here (./setup.sh builds it)")
+def _tokenize(server, body: dict) -> list[int]:
+    """vLLM's own render of a chat request (the engine's ``/tokenize``)."""
     socket, secret = engine_of(server.proc.pid)
 
-    async def check(path, segments: bool = True) -> tuple[bool, str | None]:
+    async def ask():
         engine = EngineClient(socket.removeprefix("unix:"), secret)
         try:
-            ei = EngineInput("tokens", PromptRenderer.from_pretrained(str(path), segments=segments), TINY)
-            ok = await ei.check(engine)
-            make = await ei.for_turn(engine, {"messages": PROBE, "tools": PROBE_TOOLS}, None)
-            return ok, (await make({"messages": PROBE})).get("kv_transfer_params")
+            status, out = await engine.post_json("/tokenize", {**body, "model": TINY, "add_generation_prompt": True})
+            assert status == 200, out
+            return out["tokens"]
         finally:
             await engine.aclose()
+    return asyncio.run(ask())
 
-    tiny = model_dir(TINY)
-    ok, kv = asyncio.run(check(tiny))
-    assert ok and kv["prompt_token_ids"]
-    # rendering whole conversations (templates that do not render message by message): the same ids
-    assert asyncio.run(check(tiny, segments=False)) == (ok, kv)
-    ok, kv = asyncio.run(check(model_dir(REAL)))
-    assert not ok and kv is None
-    assert metric(server, "messages", "render_mismatch") == 0   # the server's own render passed its check
+
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
+def test_a_schema_that_differs_only_in_10_or_10_0_gets_its_own_render_across_keys(server, api):
+    """Key 1 sends tools whose schema says ``"maximum": 10``; key 2 the same conversation with
+    ``10.0`` (``true`` for a third): key 2's prompt is vLLM's render of key 2's request (the
+    engine's ``/tokenize``), never key 1's (Python finds ``10 == 10.0 == True``)."""
+    from conftest import OTHER_KEY
+
+    def schema(value):
+        return {"type": "object", "properties": {"n": {"type": "integer", "maximum": value}}}
+
+    sid = uuid.uuid4().hex[:8]
+    for key, value in ((API_KEY, 10), (OTHER_KEY, 10.0), (OTHER_KEY, True)):
+        chat_tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": schema(value)}}]
+        want = _tokenize(server, {"messages": [{"role": "user", "content": "hello"}], "tools": chat_tools})
+        http = server.http(api_key=key)
+        if api == "chat":
+            r = http.post("/v1/chat/completions", json={
+                "model": TINY, "messages": [{"role": "user", "content": "hello"}], "tools": chat_tools,
+                "max_tokens": 2, "return_token_ids": True}, headers={"X-Session-Id": f"n-{sid}"})
+            assert r.status_code == 200, r.text
+            assert r.json()["prompt_token_ids"] == want
+        elif api == "messages":
+            r = http.post("/v1/messages", json={
+                "model": TINY, "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}],
+                "tools": [{"name": "f", "description": "d", "input_schema": schema(value)}]},
+                headers={"X-Session-Id": f"n-{sid}"})
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]   # Anthropic's input_tokens leave out what the cache read
+            assert sum(usage.get(k) or 0 for k in ("input_tokens", "cache_read_input_tokens",
+                                                   "cache_creation_input_tokens")) == len(want)
+        else:
+            r = http.post("/v1/responses", json={
+                "model": TINY, "input": "hello", "max_output_tokens": 16, "store": False,
+                "tools": [{"type": "function", "name": "f", "description": "d", "parameters": schema(value)}]},
+                headers={"X-Session-Id": f"n-{sid}"})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["input_tokens"] == len(want)
+        assert r.json()["context_management"]["prompt_tokens_after"] == len(want)
+
+
+def test_an_assistant_turn_with_null_content_renders_as_vllm_renders_it(server):
+    """``content: null`` (and an assistant turn of only thinking blocks on /v1/messages): the front
+    counts and sends vLLM's render (the engine's ``/tokenize``), on both paths alike."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+            {"role": "user", "content": "again"}]
+    want = _tokenize(server, {"messages": msgs})
+    for ei in ("tokens", "messages"):
+        r = server.http().post("/v1/chat/completions", json={
+            "model": TINY, "messages": msgs, "max_tokens": 2, "return_token_ids": True, "engine_input": ei})
+        assert r.status_code == 200, r.text
+        assert r.json()["prompt_token_ids"] == want and r.json()["context_management"]["prompt_tokens_after"] == len(want)
+    r = server.http().post("/v1/messages", json={"model": TINY, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": "s"}]},
+        {"role": "user", "content": "again"}]})
+    assert r.status_code == 200, r.text
 
 
 def test_a_conversation_the_template_refuses_is_a_400_in_each_apis_shape():
@@ -225,47 +263,19 @@ def test_a_conversation_the_template_refuses_is_a_400_in_each_apis_shape():
 
 
 def test_developer_messages_are_rendered_as_vllm_renders_them(server):
-    """A template that does not know the developer role (the test model's, SmolLM2's): vLLM makes
-    developer messages system ones and merges every system message into the first. The front
-    sends what vLLM would render, so its ids are vLLM's render of the client's messages."""
-    from agentkv.compaction.prompt import developer_as_system
-
-    socket, secret = engine_of(server.proc.pid)
+    """A template that does not know the developer role (the test model's): vLLM makes developer
+    messages system ones and merges every system message into the first; the front sends vLLM's
+    render of the client's messages, and counts it."""
     msgs = [{"role": "system", "content": "You are Codex."},
             {"role": "developer", "content": [{"type": "text", "text": "sandbox: read-only"},
                                               {"type": "text", "text": "approvals: never"}]},
             {"role": "user", "content": "List the files."},
             {"role": "developer", "content": "The user changed the sandbox."},
             {"role": "user", "content": "Go on."}]
-
-    async def both() -> tuple[list[int], list[int]]:
-        engine = EngineClient(socket.removeprefix("unix:"), secret)
-        try:
-            _, theirs = await engine.post_json("/tokenize", {"model": TINY, "messages": msgs,
-                                                             "add_generation_prompt": True})
-        finally:
-            await engine.aclose()
-        renderer = PromptRenderer.from_pretrained(str(model_dir(TINY)))
-        assert not renderer.takes_developer
-        return renderer.render(developer_as_system(msgs)).token_ids, theirs["tokens"]
-
-    mine, theirs = asyncio.run(both())
-    assert mine == theirs
+    want = _tokenize(server, {"messages": msgs})
     answers = [server.http().post("/v1/chat/completions", json={
-        "model": TINY, "messages": msgs, "max_tokens": 6, "temperature": 0, "engine_input": ei}).json()
-        for ei in ("tokens", "messages")]
-    assert answers[0]["choices"] == answers[1]["choices"] and answers[0]["usage"]["prompt_tokens"] == len(theirs)
-
-
-@pytest.mark.parametrize("template, args, model_type, why", [
-    ("{{ strftime_now('%Y') }}{{ messages }}", (), "llama", "reads the clock"),
-    ("{{ messages }}", ("--chat-template=/x.jinja",), "llama", "--chat-template"),
-    ("{{ messages }}", ("--default-chat-template-kwargs", "{}"), "llama", "--default-chat-template-kwargs"),
-    ("{{ messages }}", (), "gpt_oss", "harmony"),
-    ("{{ messages }}", ("--max-num-seqs=8",), "llama", None),
-])
-def test_what_the_front_cannot_render_alike_is_known_before_asking(template, args, model_type, why):
-    from agentkv.server.pipeline.engine_input import known_mismatch
-
-    found = known_mismatch(template, args, model_type)
-    assert (found is None) if why is None else (why in found)
+        "model": TINY, "messages": msgs, "max_tokens": 6, "temperature": 0, "engine_input": ei,
+        "return_token_ids": True}).json() for ei in ("tokens", "messages")]
+    assert answers[0]["choices"] == answers[1]["choices"]
+    assert answers[0]["prompt_token_ids"] == answers[1]["prompt_token_ids"] == want
+    assert answers[0]["context_management"]["prompt_tokens_after"] == len(want)

@@ -173,15 +173,23 @@ def test_segments_without_special_tokens_between_them_are_tokenized_joined(tiny_
         assert a.text == b.text and r.char_bounds(msgs[:n]) == whole.char_bounds(msgs[:n])
 
 
-def test_a_template_that_fails_on_a_real_conversation_is_rendered_whole_from_then_on(tiny_model_dir, caplog):
+def test_a_conversation_whose_segments_do_not_join_is_rendered_whole_from_then_on(tiny_model_dir, caplog):
+    """The probe passes, a real conversation's first sight does not: that conversation is rendered
+    whole from then on (its later turns too); other conversations keep their segments."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="agentkv.compaction.prompt")
     r, whole = _with_template(tiny_model_dir, LONG_ONLY), _with_template(tiny_model_dir, LONG_ONLY, segments=False)
     assert check_template(r._render_full, LONG_ONLY).reason is None and r.segmented  # the probe passes...
     msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(8)]
     assert r.render(msgs) == whole.render(msgs)                               # ...the first sight does not
-    assert not r.segmented and "did not join" in r.not_segmented
-    assert "rendering whole conversations" in caplog.text
+    assert r.segmented and r._prompt(msgs, None) is None
+    assert "did not join" in caplog.text
     grown = msgs + [{"role": "user", "content": "more"}]
     assert r.render(grown) == whole.render(grown) and r.count(grown) == whole.count(grown)
+    assert r._prompt(grown, None) is None
+    short = [{"role": "user", "content": "other"}, {"role": "assistant", "content": "conversation"}]
+    assert r._prompt(short, None) is not None and r.render(short) == whole.render(short)
 
 
 def test_a_template_that_checks_roles_alternate_renders_by_segments(tiny_model_dir):
@@ -204,7 +212,6 @@ def test_the_cache_is_bounded(tiny_model_dir):
 
     r = PromptRenderer.from_pretrained(str(tiny_model_dir))
     r._cache = SegmentCache(max_segments=10, max_tokens=10_000, max_layouts=3, max_id_tokens=100)
-    r.known = KnownMessages(max_lists=3)
     whole = PromptRenderer(r.tokenizer, segments=False)
     base = [{"role": "system", "content": "s"}]
     for k in range(8):
@@ -212,7 +219,7 @@ def test_the_cache_is_bounded(tiny_model_dir):
         assert r.count(msgs) == whole.count(copy.deepcopy(msgs))
         assert r.render(msgs) == whole.render(msgs)
     cache = r._cache
-    assert len(cache._segments) <= 10 and cache._n_layouts <= 3 and r.known._n <= 3
+    assert len(cache._segments) <= 10 and cache._n_layouts <= 3
     held = [x for g in cache._layouts.values() for x in g if x.ids is not None]
     assert sorted(map(id, held)) == sorted(cache._with_ids) and cache._id_tokens == sum(len(x.ids) for x in held)
     assert cache._id_tokens <= 100 or len(held) == 1

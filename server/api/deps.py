@@ -19,7 +19,7 @@ from ..errors import APIError
 from ..engine.client import EngineClient
 from ..engine.supervisor import Supervisor
 
-log = logging.getLogger("agentkv.deps")
+log = logging.getLogger(__name__)
 
 
 async def get_supervisor(request: Request) -> Supervisor:
@@ -70,13 +70,17 @@ async def warm_context(state) -> None:
     gc.freeze()
 
 
-def _model_type(path: str) -> str | None:
-    """The served model's ``model_type`` (its config), or None where it cannot be read."""
-    try:
-        from transformers import AutoConfig
+def _engine_chat(state):
+    """vLLM's chat render for the engine the supervisor starts (None, said once, where it cannot be
+    built: every prompt then goes to vLLM as messages and the front counts with transformers)."""
+    from ..engine.process import engine_args, resolve_device
+    from ..render.engine_chat import EngineChat
 
-        return AutoConfig.from_pretrained(path).model_type
-    except Exception:  # noqa: BLE001 - a model without a transformers config: no type to go by
+    sup, cfg = state.supervisor, state.cfg
+    try:
+        return EngineChat(engine_args(cfg, sup.model_path, resolve_device(cfg.device), "front.sock"), cfg.model_name)
+    except Exception:  # noqa: BLE001 - an engine configuration vLLM's render cannot be built for here
+        log.warning("the front could not build vLLM's renderer for this engine", exc_info=True)
         return None
 
 
@@ -85,15 +89,18 @@ def _make_context(state) -> None:
         with state.context_lock:
             if getattr(state, "context", None) is None:
                 from ...compaction.prompt import PromptRenderer
-                from ..pipeline.context import ContextManager
                 from ..engine.summarizer import EngineModelClient
+                from ..pipeline.context import ContextManager
                 from ..pipeline.engine_input import EngineInput
+                from ..render.engine_chat import counting_renderer
 
-                sup = state.supervisor
-                renderer = PromptRenderer.from_pretrained(sup.model_path)
-                state.engine_input = EngineInput(state.cfg.engine_input, renderer, state.cfg.model_name,
-                                                 state.cfg.engine_args, _model_type(sup.model_path))
-                state.context = ContextManager(state.sessions, renderer, EngineModelClient(sup, state.cfg.model_name))
+                sup, cfg = state.supervisor, state.cfg
+                chat = _engine_chat(state)
+                renderer = counting_renderer(chat) if chat is not None and chat.hf else \
+                    PromptRenderer.from_pretrained(sup.model_path)
+                state.engine_input = EngineInput(cfg.engine_input, chat)
+                state.context = ContextManager(state.sessions, renderer, EngineModelClient(sup, cfg.model_name),
+                                               shared_caches=not cfg.api_key)
     return state.context
 
 

@@ -111,6 +111,33 @@ def remove_stale_socket_folders(base: str, min_age_s: float = 60.0) -> list[str]
     return removed
 
 
+def engine_args(cfg: ServeConfig, model_path: str, device: str, socket_path: str) -> list[str]:
+    """The arguments vLLM's API server is started with (``EngineProcess.argv``); the front's own
+    render of prompts (``render.engine_chat``) parses the same list."""
+    argv = [
+        "--model", model_path,
+        "--served-model-name", cfg.model_name,
+        "--uds", socket_path,
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+        "--pipeline-parallel-size", str(cfg.pipeline_parallel_size),
+    ]
+    if cfg.tool_call_parser:
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.tool_call_parser]
+    dtype = cfg.dtype if cfg.dtype != "auto" or device != "cpu" else "float32"
+    argv += ["--dtype", dtype]
+    if cfg.max_model_len:
+        argv += ["--max-model-len", str(cfg.max_model_len)]
+    if device == "cuda":
+        argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    if cfg.kv_connector:
+        argv += ["--kv-transfer-config", json.dumps(transfer_config(cfg.kv_hold_fraction, cfg.kv_hold_ttl_s))]
+    if cfg.enforce_eager if cfg.enforce_eager is not None else device == "cpu":
+        argv.append("--enforce-eager")
+    return argv + list(cfg.engine_args)
+
+
 @dataclass
 class EngineProcess:
     """One vLLM OpenAI server child. `start()` returns once it answers /health."""
@@ -131,31 +158,8 @@ class EngineProcess:
         return os.path.join(self.socket_dir, "engine.sock")
 
     def argv(self) -> list[str]:
-        c = self.cfg
-        argv = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model_path,
-            "--served-model-name", c.model_name,
-            "--uds", self.socket_path,
-            "--enable-prefix-caching",
-            "--enable-prompt-tokens-details",
-            "--tensor-parallel-size", str(c.tensor_parallel_size),
-            "--pipeline-parallel-size", str(c.pipeline_parallel_size),
-        ]
-        if c.tool_call_parser:
-            argv += ["--enable-auto-tool-choice", "--tool-call-parser", c.tool_call_parser]
-        dtype = c.dtype if c.dtype != "auto" or self.device != "cpu" else "float32"
-        argv += ["--dtype", dtype]
-        if c.max_model_len:
-            argv += ["--max-model-len", str(c.max_model_len)]
-        if self.device == "cuda":
-            argv += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
-        if c.kv_connector:
-            argv += ["--kv-transfer-config",
-                     json.dumps(transfer_config(c.kv_hold_fraction, c.kv_hold_ttl_s))]
-        if c.enforce_eager if c.enforce_eager is not None else self.device == "cpu":
-            argv.append("--enforce-eager")
-        return argv + list(c.engine_args)
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                *engine_args(self.cfg, self.model_path, self.device, self.socket_path)]
 
     def env(self) -> dict[str, str]:
         """The front's environment without its own settings (client keys, the session database's

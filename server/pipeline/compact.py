@@ -9,6 +9,7 @@ from ...compaction.policy import ContextManagement, summary_limit
 from ...compaction.prompt import Message
 from ...compaction.summarize import is_summary
 from ..errors import APIError
+from . import cache_salt
 from .context import Prepared, manage
 from .sessions import SessionRef
 from .window import check_fixed_part
@@ -43,9 +44,10 @@ async def compact_now(state, ctx, owner: str, ref: SessionRef, conversation: lis
     is a 503 (``compaction_failed``): the client asked for it and gets no silent no-op. A system
     prompt and tools that fill the window alone are refused first (no summary can make them fit)."""
     window = state.supervisor.max_model_len
-    check_fixed_part(ctx.renderer, conversation, tools, window, engine_form, param)
+    check_fixed_part(ctx.renderer_for(owner), conversation, tools, window, engine_form, param)
     prepared = await manage(ctx, state.cfg, window, owner, ref, conversation, tools,
-                            explicit_policy(window, instructions), engine_form=engine_form)
+                            explicit_policy(window, instructions), engine_form=engine_form,
+                            salt=cache_salt.exact(owner, None, state.cfg.shared_prefix_cache))
     if prepared.report.get("failed_edits"):
         raise APIError(503, f"the summary could not be written: {prepared.report['failed_edits'][0]['error']}",
                        code="compaction_failed")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +24,8 @@ from typing import Any
 from ...compaction.clearing import clear_tool_uses
 from ...compaction.config import ClearThinking, ClearToolUses, Compact
 from ...compaction.policy import ContextManagement, default_policy, with_defaults
-from ...compaction.prompt import Message, PromptRenderer
+from ...compaction.prompt import Message, PromptRenderer, one_step
+from ...compaction.prompt_segments import SegmentCache
 from ...compaction.summarize import ModelClient, summarize
 from ...compaction.thinking import clear_thinking
 from .. import timing
@@ -88,9 +91,32 @@ SAVE_TRIES = 4   # a summary to write, or a branch another request saved meanwhi
 
 
 class ContextManager:
-    def __init__(self, sessions: Sessions, renderer: PromptRenderer, summarizer: ModelClient | None):
+    """The context step. ``renderer``: the served model's render, whose caches no key uses: each key
+    gets a sibling with caches of its own (``renderer_for``), the least recently used of at most
+    ``max_keys`` dropped; with ``shared_caches`` (a server without API keys: one tenant) every
+    caller uses one."""
+
+    def __init__(self, sessions: Sessions, renderer: PromptRenderer, summarizer: ModelClient | None,
+                 max_keys: int = 16, shared_caches: bool = False):
         self.sessions, self.renderer = sessions, renderer
         self.summaries = Summaries(summarizer)
+        self.max_keys, self.shared_caches = max_keys, shared_caches
+        self._renderers: OrderedDict[str, PromptRenderer] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def renderer_for(self, owner: str) -> PromptRenderer:
+        """The renderer whose caches hold this key's conversations only."""
+        if self.shared_caches:
+            return self.renderer
+        with self._lock:
+            r = self._renderers.get(owner)
+            if r is None:
+                r = self._renderers[owner] = self.renderer.sibling(SegmentCache(
+                    max_segments=16384, max_tokens=2_000_000, max_layouts=128, max_id_tokens=1_000_000))
+                while len(self._renderers) > self.max_keys:
+                    self._renderers.popitem(last=False)
+            self._renderers.move_to_end(owner)
+            return r
 
     def _view(self, state: ViewState, messages: list[Message], engine_form: EngineForm | None):
         view, where = after_compaction(*state.view(messages))
@@ -98,8 +124,8 @@ class ContextManager:
             view = [engine_form(m) for m in view]
         return view, where
 
-    def _edit(self, run: _Run, state: ViewState, tools: list | None, policy: ContextManagement | None,
-              history: list[Message], notes_key: str | None, window: int | None,
+    def _edit(self, renderer: PromptRenderer, run: _Run, state: ViewState, tools: list | None,
+              policy: ContextManagement | None, history: list[Message], notes_key: str | None, window: int | None,
               summarizer: ModelClient | None = None) -> _Run:
         """Run the policy's edits on ``run.view``, recording what replaces which conversation
         message in ``state``. Compact edits run only with ``notes_key`` (a session to write to) and
@@ -108,7 +134,7 @@ class ContextManager:
         for edit in policy.edits if policy else []:
             view, where = run.view, run.where
             if isinstance(edit, ClearThinking):
-                r = clear_thinking(view, self.renderer, edit, tools)
+                r = clear_thinking(view, renderer, edit, tools)
                 if not r.cleared_turns:
                     continue
                 for i, (a, b) in enumerate(zip(view, r.messages)):
@@ -119,7 +145,7 @@ class ContextManager:
                 run.applied.append({"type": edit.type, "cleared_thinking_turns": r.cleared_turns,
                                     "cleared_input_tokens": r.cleared_tokens})
             elif isinstance(edit, ClearToolUses):
-                r = clear_tool_uses(view, self.renderer, edit, tools)
+                r = clear_tool_uses(view, renderer, edit, tools)
                 if not r.edits:
                     continue
                 for i in {e.message_index for e in r.edits}:
@@ -130,11 +156,11 @@ class ContextManager:
                                     "cleared_input_tokens": r.cleared_tokens,
                                     "edits": [e.as_dict() for e in r.edits]})
             elif notes_key is not None and summarizer is not None:
-                if self.renderer.count(view, tools) < edit.trigger:  # no summary: the log's notes not read
+                if renderer.count(view, tools) < edit.trigger:  # no summary: the log's notes not read
                     continue
                 notes = [f"{kind}: {text}" for kind, text in self.sessions.log.notes(notes_key)]
                 try:
-                    r = summarize(view, self.renderer, edit, summarizer, tools, notes, history=history,
+                    r = summarize(view, renderer, edit, summarizer, tools, notes, history=history,
                                   window=window)
                 except SummaryNeeded:
                     raise
@@ -167,23 +193,33 @@ class ContextManager:
         prompt sent (the next KV edit names the prompt it is on by it); ``shifting``: a clearing
         edit of this request goes to the KV connector (the branch then holds moved K/V);
         ``salt``: the cache salt of the summarizer's requests."""
-        keys = self.renderer.known.keys(messages)
+        renderer = self.renderer_for(owner)
+        with one_step():
+            return self._prepare(renderer, owner, ref, messages, tools, policy, window, engine_form, want_ids,
+                                 may_summarize, identity, shifting, salt)
+
+    def _prepare(self, renderer: PromptRenderer, owner: str, ref: SessionRef, messages: list[Message],
+                 tools: list | None, policy: ContextManagement | None, window: int | None,
+                 engine_form: EngineForm | None, want_ids: bool, may_summarize: bool, identity: bool,
+                 shifting: bool, salt: str | None) -> Prepared:
+        keys = renderer.known.keys(messages)
         history = [engine_form(m) for m in messages] if engine_form else messages
-        before = self.renderer.count(history, tools)
+        before = renderer.count(history, tools)
         for attempt in range(SAVE_TRIES):
             last = attempt == SAVE_TRIES - 1
             synced = self.sessions.sync(owner, ref, messages, keys)       # the log before any edit
             work = synced.state.copy()
             try:
-                run = self._edit(_Run(*self._view(work, messages, engine_form)), work, tools, policy, history,
-                                 synced.key, window, self.summaries.reader(owner, last_try=last))
+                run = self._edit(renderer, _Run(*self._view(work, messages, engine_form)), work, tools, policy,
+                                 history, synced.key, window, self.summaries.reader(owner, last_try=last))
             except SummaryNeeded:
                 if not may_summarize:
                     raise
-                self._write_summary(synced, messages, tools, policy, history, window, engine_form, owner, salt)
+                self._write_summary(renderer, synced, messages, tools, policy, history, window, engine_form, owner,
+                                    salt)
                 continue
             if identity:             # what the KV connector will hold for this branch
-                ids = self.renderer.render(run.view, tools).token_ids
+                ids = renderer.render(run.view, tools).token_ids
                 work.sent = [len(ids), prompt_hash(ids)]
             work.moved = synced.state.moved or bool(shifting and run.kv_edits)
             if self.sessions.save(synced, work) or last:   # else a request saved this branch meanwhile: again
@@ -191,34 +227,38 @@ class ContextManager:
         else:   # pragma: no cover - the loop always breaks on its last try
             raise RuntimeError("unreachable")
         view = run.view
-        after = self.renderer.count(view, tools) if view != history else before
+        same = len(view) == len(history) and renderer.known.keys(view) == renderer.known.keys(history)
+        after = before if same else renderer.count(view, tools)
         report = {"session_id": synced.id, "applied_edits": run.applied,
                   "prompt_tokens_before": before, "prompt_tokens_after": after}
         if run.failed:
             report["failed_edits"] = run.failed
-        ids = self.renderer.render(view, tools).token_ids if want_ids else []
+        ids = renderer.render(view, tools).token_ids if want_ids else []
         return Prepared(synced.key, synced.id, view, report, run.kv_edits, run.old_ids, run.summary, run.compact_edit,
                         ids, synced.branch, work.moved, synced.state.moved,
                         tuple(synced.state.sent) if synced.state.sent else None)
 
-    def _write_summary(self, synced, messages: list[Message], tools: list | None, policy: ContextManagement | None,
-                       history: list[Message], window: int | None, engine_form: EngineForm | None, owner: str,
-                       salt: str | None) -> None:
+    def _write_summary(self, renderer: PromptRenderer, synced, messages: list[Message], tools: list | None,
+                       policy: ContextManagement | None, history: list[Message], window: int | None,
+                       engine_form: EngineForm | None, owner: str, salt: str | None) -> None:
         """Run the edits on the synced state, the model writing what they need (into ``summaries``);
         nothing is saved here."""
         state = synced.state.copy()
-        self._edit(_Run(*self._view(state, messages, engine_form)), state, tools, policy, history, synced.key, window,
-                   self.summaries.writer(owner, salt))
+        self._edit(renderer, _Run(*self._view(state, messages, engine_form)), state, tools, policy, history,
+                   synced.key, window, self.summaries.writer(owner, salt))
 
-    def count(self, messages: list[Message], tools: list | None, policy: ContextManagement | None,
+    def count(self, owner: str, messages: list[Message], tools: list | None, policy: ContextManagement | None,
               engine_form: EngineForm | None = None) -> tuple[int, int]:
         """(prompt tokens as the engine would get them, before any edit) for a conversation outside
         any session: the request's clearing edits apply, a summary is not written (that takes a
         generation), nothing is logged."""
+        renderer = self.renderer_for(owner)
         state = ViewState()
-        history = [engine_form(m) for m in messages] if engine_form else messages
-        run = self._edit(_Run(*self._view(state, messages, engine_form)), state, tools, policy, history, None, None)
-        return self.renderer.count(run.view, tools), self.renderer.count(history, tools)
+        with one_step():
+            history = [engine_form(m) for m in messages] if engine_form else messages
+            run = self._edit(renderer, _Run(*self._view(state, messages, engine_form)), state, tools, policy, history,
+                             None, None)
+            return renderer.count(run.view, tools), renderer.count(history, tools)
 
 
 # a conversation this small (characters of text) costs its context step a millisecond or two: on the

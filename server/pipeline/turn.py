@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...compaction.policy import ContextManagement
-from ...compaction.prompt import Message, developer_as_system
+from ...compaction.prompt import Message
 from ..config import ServeConfig
 from ..engine.client import EngineClient
 from ..kv import reuse as kv_reuse
@@ -111,17 +111,17 @@ async def prepare_turn(state, engine: EngineClient, ctx, owner: str, turn: TurnI
     sup = state.supervisor
     on = turn.fields.server_tools if turn.fields.server_tools is not None else cfg.server_tools
     tools = server_tools.with_server_tools(turn.tools) if on else turn.tools   # reserved names: 400 before logging
-    window.check_fixed_part(ctx.renderer, turn.conversation, tools, sup.max_model_len, turn.engine_form, turn.param)
+    window.check_fixed_part(ctx.renderer_for(owner), turn.conversation, tools, sup.max_model_len, turn.engine_form,
+                            turn.param)
     mode = turn.fields.kv_reuse or cfg.kv_reuse
     prepared = await manage(ctx, cfg, sup.max_model_len, owner, turn.session, turn.conversation, tools,
                             turn.policy, engine_form=turn.engine_form,
                             shifting=cfg.kv_connector and mode != "recompute",
                             salt=cache_salt.exact(owner, None, cfg.shared_prefix_cache))
-    messages = prepared.messages if ctx.renderer.takes_developer else developer_as_system(prepared.messages)
-    body = {**turn.body, "messages": messages}   # developer messages as vLLM would render them, for both paths
+    body = {**turn.body, "messages": prepared.messages}
     if tools:
         body["tools"] = tools
     lowered = window.fit_output(body, prepared.report["prompt_tokens_after"], sup.max_model_len, turn.param)
     runner = ToolRunner(ctx.sessions.log, prepared.key, cfg.max_server_tool_rounds, lowered is not None) if on else None
-    make = await state.engine_input.for_turn(engine, body, turn.fields.engine_input)
+    make = state.engine_input.for_turn(body, turn.fields.engine_input, prepared.branch)
     return Turn(prepared, body, runner, engine, (cfg, turn.fields, sup.model_path, owner), make, lowered)

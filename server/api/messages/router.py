@@ -91,7 +91,7 @@ async def count_tokens(req: _Conversation, request: Request, _owner: OwnerDep, c
     ``original_input_tokens`` (before the edits), as Anthropic answers."""
     body = require_utf8(req.model_dump(exclude_unset=True))
     conv, tools = _conversation(request, body)
-    after, before = await asyncio.to_thread(ctx.count, conv, tools, req.context_management, engine_message)
+    after, before = await asyncio.to_thread(ctx.count, _owner, conv, tools, req.context_management, engine_message)
     out: dict[str, Any] = {"input_tokens": after}
     if req.context_management is not None:
         out["context_management"] = {"original_input_tokens": before}
