@@ -232,7 +232,7 @@ def test_the_fronts_ids_are_vllms_render_at_every_turn(model_dir, template):
 def test_schema_numbers_that_python_finds_equal_render_as_sent_across_keys(model_dir, first, second):
     """Key k1's tools say ``"maximum": 10``, then key k2's say ``10.0`` (Python: ``10 == 10.0``):
     each gets vLLM's render of its own request, on the sent path and in counting alike."""
-    chat = _chat(model_dir, "Qwen-Qwen2.5-7B-Instruct.jinja")   # a template that renders the tools
+    chat = _chat(model_dir, "meta-llama-Llama-3.1-8B-Instruct.jinja")   # renders tools, by segments
     ref, counter = reference(chat), counting_renderer(chat)
 
     def body(value):
