@@ -20,7 +20,7 @@ from .config import ServeConfig
 from .engine.client import EngineUnavailable
 from .engine.supervisor import EngineState, Supervisor
 from .errors import install_error_handlers
-from .limits import BodyLimit
+from .edge import Edge
 from .metrics import RequestMetrics, render
 from .pipeline.compaction_item import CompactionSeal, load_key
 from .pipeline.sessions import Sessions
@@ -50,7 +50,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app.state.context = None
     app.state.context_lock = threading.Lock()
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=int(cfg.max_request_mb * 2**20))
+    app.add_middleware(Edge, max_bytes=int(cfg.max_request_mb * 2**20), keys=cfg.api_key)
     app.add_middleware(RequestMetrics)
     for api in (chat, completions, models, messages, responses, sessions):
         app.include_router(api.router)

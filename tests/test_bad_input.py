@@ -66,3 +66,45 @@ def test_malformed_bodies_are_400(small_server, body):
     r = small_server.http().post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_body_without_a_key_is_refused_before_it_is_read(small_server):
+    """A 32 KiB gzip body that inflates to 32 MiB of JSON, sent without a key, eight at once: each a
+    401 in the API's shape (Anthropic's on /v1/messages) before anything is inflated or parsed (the
+    front grows by less than 50 MiB); /health answers all the while. With a key, too deep a
+    nesting is a 400, never a 500."""
+    import gzip
+    import threading
+
+    import psutil
+
+    bomb = gzip.compress(b"[" + b"0," * (16 * 2**20 - 2) + b"0]", 9)
+    assert len(bomb) < 64 * 2**10
+    front = psutil.Process(small_server.proc.pid)
+    rss = front.memory_info().rss
+    health, answers, done = [], [], threading.Event()
+
+    def probe():
+        while not done.is_set():
+            health.append(httpx.get(f"{small_server.base_url}/health", timeout=30).status_code)
+
+    def send(path):
+        answers.append(httpx.post(small_server.base_url + path, content=bomb, timeout=120, headers={
+            "content-encoding": "gzip", "content-type": "application/json"}))
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    senders = [threading.Thread(target=send, args=(p,)) for p in ["/v1/chat/completions"] * 6 + ["/v1/messages"] * 2]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join()
+    done.set()
+    prober.join()
+    assert [r.status_code for r in answers] == [401] * 8
+    assert all(r.json()["error"]["type"] == "authentication_error" for r in answers if r.request.url.path == "/v1/messages")
+    assert front.memory_info().rss - rss < 50 * 2**20
+    assert health and set(health) == {200}
+    r = small_server.http().post("/v1/chat/completions", content=b"[" * 100_000 + b"]" * 100_000,
+                                 headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"], r.text

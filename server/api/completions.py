@@ -6,12 +6,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from ..edge import EdgeRoute
 from ..engine.client import EngineUnavailable, relay_stream, unavailable
 from ..pipeline import cache_salt
 from .chat.protocol import CompletionRequest, forward_body
 from .deps import EngineDep, OwnerDep
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=EdgeRoute)
 
 
 @router.post("/completions")

@@ -5,12 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from ...edge import EdgeRoute
 from ...pipeline.turn import TurnInput, prepare_turn, session_of
 from ..deps import ContextDep, EngineDep, OwnerDep
 from . import encode
 from .protocol import ChatCompletionRequest, forward_body
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=EdgeRoute)
 
 
 @router.post("/chat/completions")

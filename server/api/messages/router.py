@@ -17,6 +17,7 @@ from fastapi.responses import Response
 
 from ...errors import APIError
 from ...options import require_utf8
+from ...edge import EdgeRoute
 from ...pipeline.turn import TurnInput, prepare_turn, session_of
 from ..deps import ContextDep, EngineDep, OwnerDep
 from ..ids import take_route
@@ -25,7 +26,7 @@ from . import encode, threads
 from .convert import chat_request, conversation, engine_message, offered_tools, tools_to_openai
 from .protocol import MessagesRequest, _Conversation
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=EdgeRoute)
 
 
 @functools.lru_cache(maxsize=8)

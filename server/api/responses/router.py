@@ -26,6 +26,7 @@ from ....compaction.config import Compact
 from ....compaction.policy import ContextManagement, summary_limit
 from ....compaction.prompt import Message
 from ....compaction.summarize import is_summary
+from ...edge import EdgeRoute
 from ...errors import APIError
 from ...options import require_utf8
 from ...pipeline.compact import compact_now, fired
@@ -40,7 +41,7 @@ from .convert import HEADER_ROLES, ChatTools, to_chat_tool_choice, to_chat_tools
 from .protocol import ECHOED, NOT_SENT, CompactRequest, ResponsesRequest, _Input
 from .store import StoredTurn, stored
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=EdgeRoute)
 
 
 def _after_header(messages: list[Message]) -> list[Message]:

@@ -1,0 +1,227 @@
+"""The edge: what the server checks of a request before any route runs, in the order that costs
+an unauthenticated caller nothing.
+
+1. **The key**, from the headers alone (``Authorization: Bearer``, ``x-api-key``), before a byte
+   of the body is read: a wrong or missing key is a 401 in the API's own error shape. Every path
+   but the health checks (and FastAPI's own docs) needs it. The caller's owner (a digest of the
+   key: sessions, salts and caches are namespaced by it) goes into the request's scope.
+2. **The body's size**: a declared ``Content-Length`` over ``--max-request-mb`` is a 413 at once;
+   a chunked body is read up to the limit.
+3. **Compressed bodies** (``Content-Encoding: gzip``, ``deflate``, ``zstd``: Codex may compress
+   its requests) are inflated off the event loop, never past the limit (a small body that would
+   inflate past it is a 413); one that does not decode is a 400, another encoding a 415.
+4. **JSON** is parsed here, off the event loop (msgspec: strict JSON, no ``NaN``, no lone UTF-16
+   surrogates; nesting too deep is refused), its work bounded by the size limit; malformed JSON is
+   a 400. The routes read the parsed value (``EdgeRoute``), not the bytes again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import io
+import json
+import zlib
+from collections.abc import Sequence
+from email.message import Message
+from typing import Any
+
+import msgspec
+import zstandard
+from fastapi import Request
+from fastapi.routing import APIRoute
+
+from .errors import error_body_for
+
+ENCODINGS = (b"gzip", b"deflate", b"zstd")
+ZSTD_MAX_WINDOW = 1 << 25
+PUBLIC = ("/health", "/health/live", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+OWNER = "agentkv.owner"          # scope["state"] keys the routes read
+PARSED = "agentkv.json"
+_DECODE = msgspec.json.Decoder()
+
+
+def owner_of_key(keys: Sequence[str], authorization: str, x_api_key: str) -> str | None:
+    """The owner a request's key makes it (``local`` where the server takes no keys); None: no
+    valid key. Compared in constant time against every accepted key."""
+    if not keys:
+        return "local"
+    given = authorization[7:] if authorization[:7].lower() == "bearer " else x_api_key
+    if not any(hmac.compare_digest(given.encode(), k.encode()) for k in keys):
+        return None
+    return hashlib.sha256(given.encode()).hexdigest()[:16]
+
+
+def _is_json(content_type: bytes | None) -> bool:
+    """FastAPI's rule: no content type, or ``application/json`` / ``application/*+json``."""
+    if not content_type:
+        return True
+    m = Message()
+    m["content-type"] = content_type.decode("latin-1")
+    sub = m.get_content_subtype()
+    return m.get_content_maintype() == "application" and (sub == "json" or sub.endswith("+json"))
+
+
+def _lone_surrogate(body: bytes) -> bool:
+    """Whether valid JSON escapes a UTF-16 surrogate that is not part of a pair (text no UTF-8
+    can hold)."""
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    try:
+        msgspec.json.encode(value)
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+class Refused(Exception):
+    def __init__(self, status: int, message: str, code: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+class Edge:
+    """ASGI middleware doing the module's four steps (``keys``: the accepted API keys)."""
+
+    def __init__(self, app, max_bytes: int, keys: Sequence[str] = ()):
+        self.app, self.max_bytes, self.keys = app, max_bytes, tuple(keys)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        state = scope.setdefault("state", {})
+        if scope.get("path", "") not in PUBLIC:
+            owner = owner_of_key(self.keys, headers.get(b"authorization", b"").decode("latin-1"),
+                                 headers.get(b"x-api-key", b"").decode("latin-1"))
+            if owner is None:
+                return await self._error(scope, send, Refused(401, "Incorrect API key provided.", "invalid_api_key"))
+            state[OWNER] = owner
+        if scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):   # no route here reads a body
+            return await self.app(scope, receive, send)
+        try:
+            body = await self._body(receive, headers)
+            if body is None:                                           # the client went away
+                return
+            if body and _is_json(headers.get(b"content-type")):
+                state[PARSED] = await asyncio.to_thread(self._parse, body)
+        except Refused as exc:
+            return await self._error(scope, send, exc)
+        if b"content-encoding" in headers:
+            kept = [(k, v) for k, v in scope.get("headers") or [] if k not in (b"content-encoding", b"content-length")]
+            scope = {**scope, "headers": kept + [(b"content-length", str(len(body)).encode())]}
+        await self.app(scope, self._replay(body, receive), send)
+
+    async def _body(self, receive, headers: dict) -> bytes | None:
+        """The whole body, decoded; None for a client that went away. ``Refused`` past the limit
+        or for a body that does not decode."""
+        encoding = headers.get(b"content-encoding", b"").strip().lower()
+        if encoding not in (b"", b"identity", *ENCODINGS):
+            raise Refused(415, f"Content-Encoding {encoding.decode(errors='replace')!r} is not supported "
+                               "(gzip, deflate, zstd)", "unsupported_encoding")
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            raise self._too_large()
+        raw = await self._read(receive)
+        if raw is None:
+            return None
+        if len(raw) > self.max_bytes:
+            raise self._too_large()
+        if encoding not in ENCODINGS:
+            return raw
+        try:
+            body = await asyncio.to_thread(self._inflate, raw, encoding)   # CPU work off the event loop
+        except (zlib.error, zstandard.ZstdError, EOFError) as exc:
+            raise Refused(400, f"the request body is not valid {encoding.decode()} ({exc})", "invalid_encoding") from None
+        if body is None:
+            raise self._too_large()
+        return body
+
+    async def _read(self, receive) -> bytes | None:
+        """The whole body, or None if the client went away; reading stops past the limit (the result
+        is then longer than it)."""
+        parts, seen = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            parts.append(message.get("body", b""))
+            seen += len(parts[-1])
+            if seen > self.max_bytes or not message.get("more_body", False):
+                return b"".join(parts)
+
+    @staticmethod
+    def _parse(body: bytes) -> Any:
+        try:
+            return _DECODE.decode(body)
+        except RecursionError:
+            raise Refused(400, "the request body's JSON is nested too deeply", "invalid_json") from None
+        except msgspec.DecodeError as exc:
+            if b"\\u" in body and _lone_surrogate(body):   # msgspec calls it "truncated"
+                raise Refused(400, "the request holds text that is not valid Unicode (a lone surrogate)",
+                              "invalid_json") from None
+            raise Refused(400, f"the request body is not valid JSON ({exc})", "invalid_json") from None
+
+    @staticmethod
+    def _replay(body: bytes, receive):
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: disconnect notices, as the server sends them
+        return replay
+
+    def _inflate(self, data: bytes, encoding: bytes) -> bytes | None:
+        """The decoded body, or None where it would exceed the limit (never inflated past it)."""
+        if encoding == b"zstd":
+            # a bounded window: a frame may not ask for more than 32 MiB of decoder memory
+            reader = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).stream_reader(io.BytesIO(data))
+            chunks, n = [], 0
+            while n <= self.max_bytes and (chunk := reader.read(min(1 << 20, self.max_bytes + 1 - n))):
+                chunks.append(chunk)
+                n += len(chunk)
+            out = b"".join(chunks)
+        else:
+            d = zlib.decompressobj(zlib.MAX_WBITS | 32 if encoding == b"gzip" else zlib.MAX_WBITS)
+            out = d.decompress(data, self.max_bytes + 1)
+            if not d.eof and len(out) <= self.max_bytes:
+                raise zlib.error("the compressed body is cut short")
+        return None if len(out) > self.max_bytes else out
+
+    def _too_large(self) -> Refused:
+        return Refused(413, f"request body exceeds {self.max_bytes} bytes", "request_too_large")
+
+    @staticmethod
+    async def _error(scope, send, exc: Refused):
+        body = json.dumps(error_body_for(scope.get("path", ""), exc.status, exc.message, exc.param,
+                                         code=exc.code)).encode()
+        await send({"type": "http.response.start", "status": exc.status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _ParsedRequest(Request):
+    """A request whose JSON the edge parsed already."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            state = self.scope.get("state") or {}
+            self._json = state[PARSED] if PARSED in state else await super().json()
+        return self._json
+
+
+class EdgeRoute(APIRoute):
+    """Every API route: FastAPI reads the body the edge parsed instead of parsing it again."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            return await handler(_ParsedRequest(request.scope, request.receive))
+        return route
