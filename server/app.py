@@ -19,7 +19,7 @@ from .api.responses import router as responses
 from .config import ServeConfig
 from .engine.client import EngineUnavailable
 from .engine.supervisor import EngineState, Supervisor
-from .errors import install_error_handlers
+from .errors import LastResort, install_error_handlers
 from .edge import Edge
 from .metrics import RequestMetrics, render
 from .pipeline.compaction_item import CompactionSeal, load_key
@@ -51,6 +51,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app.state.context_lock = threading.Lock()
     install_error_handlers(app)
     app.add_middleware(Edge, max_bytes=int(cfg.max_request_mb * 2**20), keys=cfg.api_key)
+    app.add_middleware(LastResort)
     app.add_middleware(RequestMetrics)
     for api in (chat, completions, models, messages, responses, sessions):
         app.include_router(api.router)

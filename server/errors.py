@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import sqlite3
 
 import jinja2
@@ -14,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .render.engine_chat import ConversationRefused
 
+log = logging.getLogger(__name__)
 SESSION_LOG_ERRORS = (sqlite3.OperationalError, psycopg.OperationalError)
 SESSION_LOG_OPEN_ERRORS = (sqlite3.DatabaseError, psycopg.Error)  # a --session-db that cannot be opened
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -127,3 +130,53 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _respond(request, exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+
+def stream_error_event(path: str, status: int, message: str, code: str | None = None) -> bytes:
+    """The event that ends a stream in error, in the API's own shape: Anthropic's ``event: error``
+    on /v1/messages, the Responses API's ``error`` event on /v1/responses, else OpenAI's error body
+    as data and ``[DONE]``."""
+    if path.startswith("/v1/messages"):
+        return b"event: error\ndata: " + json.dumps(anthropic_error_body(status, message)).encode() + b"\n\n"
+    if path.startswith("/v1/responses"):
+        event = {"type": "error", "code": code or "server_error", "message": message, "param": None}
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
+    return b"data: " + json.dumps(error_body(status, message, code=code)).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+class LastResort:
+    """ASGI middleware: an exception anywhere in the handling of a request is an answer in the API's
+    shape, never a dropped connection: a 500 error body, or, where a stream has started, the API's
+    error event ending it (``stream_error_event``). The exception is logged with its traceback."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, events = False, False
+
+        async def send_(message):
+            nonlocal started, events
+            if message["type"] == "http.response.start":
+                started = True
+                events = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                             for k, v in message.get("headers") or [])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_)
+        except Exception as exc:  # noqa: BLE001 - the point of this middleware
+            path = scope.get("path", "")
+            log.exception("%s %s failed", scope.get("method"), path)
+            message = f"the server failed to handle this request ({exc.__class__.__name__})"
+            if not started:
+                body = json.dumps(error_body_for(path, 500, message, code="internal_error")).encode()
+                await send({"type": "http.response.start", "status": 500, "headers": [
+                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+            else:
+                tail = stream_error_event(path, 500, message, "internal_error") if events else b""
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+

@@ -13,12 +13,12 @@ import re
 SMOLLM2 = "smollm2-135m-instruct"
 TINY = "agentkv-tiny"
 DEFAULT_MODEL = SMOLLM2
-_TINY = re.compile(r"^agentkv-tiny(?:-(\d+)l)?$")
+_TINY = re.compile(r"agentkv-tiny(?:-(\d+)l)?")
 
 
 def tiny_layers(name: str) -> int | None:
     """Layers of a tiny model name (``agentkv-tiny`` is 2), or None for any other name."""
-    m = _TINY.match(name)
+    m = _TINY.fullmatch(name)
     if not m:
         return None
     return int(m.group(1)) if m.group(1) else 2

@@ -27,7 +27,7 @@ from ...compaction.log.session_log import LogTransaction, SessionLog
 from ..errors import APIError
 
 # no "/" or "\\" and not only dots: an id is never a path, and could not be made one
-SESSION_ID = re.compile(r"^(?!\.+$)[A-Za-z0-9._:@-]{1,128}$")
+SESSION_ID = re.compile(r"(?!\.+\Z)[A-Za-z0-9._:@-]{1,128}")   # whole ids only (fullmatch: "$" takes a final "\n")
 _UUID = re.compile(r"session_?([0-9a-fA-F-]{36})")
 
 
@@ -80,7 +80,7 @@ def session_ref(headers: Mapping[str, str], body: Mapping[str, Any]) -> SessionR
         if value is None or value == "":
             continue
         value = str(value)
-        if not SESSION_ID.match(value):
+        if not SESSION_ID.fullmatch(value):
             if own:
                 raise APIError(400, "session id must be 1-128 characters of letters, digits and ._:@- "
                                     "(not only dots)", param="session_id")
@@ -91,7 +91,7 @@ def session_ref(headers: Mapping[str, str], body: Mapping[str, Any]) -> SessionR
 
 def session_key(owner: str, session_id: str) -> tuple[str, str]:
     """(storage key, public id) of an explicit id; sessions are namespaced by the caller's key."""
-    if not SESSION_ID.match(session_id):
+    if not SESSION_ID.fullmatch(session_id):
         raise APIError(400, "session id must be 1-128 characters of letters, digits and ._:@- (not only dots)",
                        param="session_id")
     return f"{owner}/{session_id}", session_id

@@ -159,6 +159,7 @@ class EngineChat:
     def chat_text(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
         """The prompt text vLLM renders for ``messages`` and ``tools`` with the server's template
         parameters (for counting: no tokenization)."""
+        from pydantic import ValidationError
         from vllm.exceptions import VLLMValidationError
         from vllm.renderers import merge_kwargs
 
@@ -175,6 +176,8 @@ class EngineChat:
             _, prompt = self.renderer.render_messages(request.messages, params)
         except VLLMValidationError as exc:
             raise ConversationRefused(f"the model's chat template cannot render this conversation: {exc}") from None
+        except ValidationError as exc:   # vLLM validates content parts as it reads them
+            raise ConversationRefused(f"the engine's request model refuses it: {exc.errors()[0].get('msg')}") from None
         return prompt["prompt"]
 
     async def prompt_ids(self, body: dict[str, Any], slot: Hashable) -> list[int]:

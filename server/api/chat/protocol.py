@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ....compaction.policy import ContextManagement
 from ...options import AGENTKV_FIELDS, AgentKVFields, EngineBound, require_utf8
@@ -34,6 +34,19 @@ class ChatMessage(_PassThrough):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content: Any) -> Any:
+        """A content part names its type; a text part's text is a string (null or a number is a
+        400 naming the part, never a failure later)."""
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type", "text")
+            if not isinstance(kind, str):
+                raise ValueError(f"part {i}: 'type' must be a string")
+            if kind == "text" and not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i}: a text part's 'text' must be a string")
+        return content
 
 
 class StreamOptions(_PassThrough):
