@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import contextlib
+import json
 import signal
 import socket
 import subprocess
@@ -240,6 +241,20 @@ def wide_server(tmp_path_factory) -> Server:
     stop_server(srv)
 
 
+# vLLM's logging with its request logger at DEBUG: the engine writes every request body it receives
+# (cache salt included) to the server's log, for the tests that check what reached it
+ENGINE_REQUEST_LOGGING = {
+    "version": 1, "disable_existing_loggers": False,
+    "formatters": {"vllm": {"()": "vllm.logging_utils.NewLineFormatter", "datefmt": "%m-%d %H:%M:%S",
+                            "format": "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"}},
+    "handlers": {"vllm": {"class": "logging.StreamHandler", "formatter": "vllm", "level": "DEBUG",
+                          "stream": "ext://sys.stdout"}},
+    "loggers": {"vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False},
+                "vllm.entrypoints.serve.utils.request_logger": {"handlers": ["vllm"], "level": "DEBUG",
+                                                                "propagate": False}},
+}
+
+
 @pytest.fixture(scope="session")
 def small_server(tmp_path_factory, request) -> Server:
     """A second server for the reliability tests: a 1024-token window (every generation is short,
@@ -251,7 +266,11 @@ def small_server(tmp_path_factory, request) -> Server:
         except pytest.skip.Exception:
             db = None
         home = tmp_path_factory.mktemp("agentkv-small")
-        srv = start_server(home, "--max-model-len", "1024", *(["--session-db", db] if db else []))
+        logging_config = home / "vllm-logging.json"   # the engine logs each request body it receives
+        logging_config.write_text(json.dumps(ENGINE_REQUEST_LOGGING))
+        srv = start_server(home, "--max-model-len", "1024", "--engine-arg=--enable-log-requests",
+                           *(["--session-db", db] if db else []),
+                           env={"VLLM_LOGGING_CONFIG_PATH": str(logging_config)})
         srv.session_db = db or str(home / "sessions.db")
         yield srv
         stop_server(srv)

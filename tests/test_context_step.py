@@ -53,7 +53,7 @@ def conversation(system: str, tool_output_chars: int) -> list[dict]:
 def run(ctx, session: str, msgs: list[dict], policy: ContextManagement | None = None):
     """(the event loop's thread, what manage prepared)."""
     async def go():
-        prepared = await manage(ctx, NO_DEFAULT, 8192, "o", SessionRef(session), msgs, None, policy)
+        prepared = await manage(ctx, NO_DEFAULT, 8192, "o", SessionRef(session), msgs, None, policy, salt="s")
         return threading.current_thread().name, prepared
     return asyncio.run(go())
 

@@ -5,6 +5,7 @@ the log, and everything under $AGENTKV_HOME private to the server's user whateve
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pwd
@@ -342,3 +343,28 @@ def test_engine_socket_is_private_and_short_whatever_tmpdir(tmp_path, monkeypatc
         assert eng.socket_path.startswith(tmp if len(tmp) <= 64 else "/tmp/")
         assert ["--uds", eng.socket_path] == eng.argv()[eng.argv().index("--uds"):][:2]
         eng.stop()
+
+
+def test_every_request_the_engine_receives_carries_a_cache_salt(small_server):
+    """Whatever reached the small server's engine (its log holds each request body vLLM received:
+    the fixture turns vLLM's request logger on) carries a cache salt: turns, completions, and the
+    summarizer's requests of on-demand compaction; two keys' salts differ."""
+    marker = f"salted-{uuid.uuid4().hex[:8]}"
+    for key in (API_KEY, OTHER_KEY):
+        http = small_server.http(api_key=key)
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "user", "content": f"{marker} hello"}]})
+        assert r.status_code == 200, r.text
+    http = small_server.http()
+    assert http.post("/v1/completions", json={"model": MODEL, "prompt": f"{marker} x", "max_tokens": 2}).status_code == 200
+    r = http.post("/v1/responses/compact", json={"model": MODEL, "input": [
+        {"role": "user", "content": f"{marker} summarize this"}, {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "and this"}]})
+    assert r.status_code == 200, r.text
+    bodies = [json.loads(line.split(" JSON body: ", 1)[1]) for line in small_server.log_path.read_text().splitlines()
+              if " JSON body: " in line]
+    mine = [b for b in bodies if marker in json.dumps(b)]
+    assert len(mine) >= 4, len(mine)   # two turns, a completion, the summary (its prompt holds the marker)
+    assert all(b.get("cache_salt") for b in bodies), [b for b in bodies if not b.get("cache_salt")][:1]
+    turns = [b for b in mine if b.get("messages") and b["messages"][-1]["content"].endswith(" hello")]
+    assert len({b["cache_salt"] for b in turns}) == 2

@@ -285,8 +285,8 @@ def text_size(messages: list[Message], limit: int) -> int:
 
 
 async def manage(ctx: ContextManager, cfg, window: int, owner: str, ref: SessionRef,
-                 conversation: list[Message], tools: list | None, requested: ContextManagement | None,
-                 engine_form: EngineForm | None = None, shifting: bool = False, salt: str | None = None) -> Prepared:
+                 conversation: list[Message], tools: list | None, requested: ContextManagement | None, *,
+                 salt: str, engine_form: EngineForm | None = None, shifting: bool = False) -> Prepared:
     """The request path's compaction step for any API: the session, the policy (the request's edits
     with the server default's for the kinds it does not name, see ``with_defaults``), then
     ``prepare``: small conversations on the event loop (see ``INLINE_CHARS``), the rest off it."""
