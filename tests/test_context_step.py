@@ -20,7 +20,8 @@ NO_DEFAULT = ServeConfig(context_management=False)   # only the edits a test ask
 class Note:
     """The summarizer: a fixed note (what the summary says is not under test here)."""
 
-    def complete(self, messages, max_tokens):
+    def complete(self, messages, max_tokens, cache_salt=None):
+        assert cache_salt == "s"   # the step's salt reaches the summarizer's request
         return "Goal: fix the timeout."
 
 
@@ -86,9 +87,9 @@ class Counting(Note):
     def __init__(self):
         self.calls = 0
 
-    def complete(self, messages, max_tokens):
+    def complete(self, messages, max_tokens, cache_salt=None):
         self.calls += 1
-        return super().complete(messages, max_tokens)
+        return super().complete(messages, max_tokens, cache_salt)
 
 
 def test_a_retried_request_is_not_summarized_again(renderer, tmp_path):
