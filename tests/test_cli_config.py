@@ -120,3 +120,42 @@ def test_socket_folders_of_killed_fronts_are_removed():
     for sock in held:
         sock.close()
     shutil.rmtree(tmp_path)
+
+
+def test_a_socket_folder_whose_owner_lives_is_never_removed(tmp_path):
+    """Ownership, not whether the socket answers: another front's folder, its engine still starting
+    (a socket file that refuses connections, old enough to look stale), stays while that front
+    lives, and goes once it is gone (killed: the kernel lets go of its lock)."""
+    import signal
+    from pathlib import Path
+
+    from agentkv.server.engine.process import release_socket_folder, remove_stale_socket_folders, socket_folder
+
+    base = Path(tempfile.mkdtemp(prefix="akv-", dir="/tmp"))
+    other = subprocess.Popen([sys.executable, "-c", (
+        "import socket, sys, tempfile, time, os\n"
+        f"tempfile.tempdir = {str(base)!r}\n"
+        "from agentkv.server.engine.process import socket_folder\n"
+        "path = socket_folder()\n"
+        "s = socket.socket(socket.AF_UNIX); s.bind(os.path.join(path, 'engine.sock')); s.close()\n"
+        "os.utime(os.path.join(path, 'engine.sock'), (time.time() - 600,) * 2)\n"
+        "print(path, flush=True); time.sleep(600)")], stdout=subprocess.PIPE, text=True)
+    try:
+        theirs = other.stdout.readline().strip()
+        assert os.path.isdir(theirs)
+        assert remove_stale_socket_folders(str(base)) == [] and os.path.isdir(theirs)
+        tempfile.tempdir = str(base)
+        try:
+            mine = socket_folder()                         # a second front starting beside it
+        finally:
+            tempfile.tempdir = None
+        assert os.path.isdir(theirs) and os.path.isdir(mine)
+        assert remove_stale_socket_folders(str(base)) == []   # my own folder is mine: kept too
+        other.send_signal(signal.SIGKILL)
+        other.wait()
+        assert remove_stale_socket_folders(str(base)) == [theirs] and os.path.isdir(mine)
+        release_socket_folder(mine)
+        assert not os.path.exists(mine)
+    finally:
+        other.kill()
+        shutil.rmtree(base, ignore_errors=True)

@@ -103,3 +103,34 @@ def test_a_retried_request_is_not_summarized_again(renderer, tmp_path):
     again = run(ctx, "d2", msgs, policy)[1]       # the same conversation, retried (here under a new session)
     assert model.calls == 1
     assert first.compaction == again.compaction and first.messages == again.messages
+
+
+def test_a_small_step_goes_to_a_thread_while_the_log_is_held(renderer, tmp_path):
+    """A small conversation's step runs inline only where the session log is free at once: with
+    its lock held (a transaction on another thread) the step runs on a thread and the event loop
+    never waits for the lock; the result is the same."""
+    log = open_session_log(tmp_path / "log.db")
+    ctx = Where(Sessions(log), renderer, Note())
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with log.lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    small = conversation("agent e", 3_000)
+
+    async def go():
+        step = asyncio.create_task(manage(ctx, NO_DEFAULT, 8192, "o", SessionRef("e"), small, None, None, salt="s"))
+        await asyncio.sleep(0.2)
+        assert not step.done()          # it waits for the log, on its thread
+        release.set()                   # the loop went on meanwhile: this line ran
+        return threading.current_thread().name, await step
+
+    loop, prepared = asyncio.run(go())
+    holder.join()
+    assert len(ctx.calls) == 1 and ctx.calls[0][0] != loop and ctx.calls[0][1]
+    assert prepared.messages == small and log.history("o/e") == small

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import fcntl
 import importlib.metadata
 import json
 import logging
@@ -69,47 +70,89 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 SOCKET_PREFIX = "agentkv-engine-"
+OWNER_LOCK = "owner.lock"   # held (flock) by the front that made the folder, as long as it lives
+_owned: dict[str, int] = {}  # this process's socket folders and the descriptors holding their locks
 
 
 def socket_folder() -> str:
     """A new private (0700) folder for the engine's socket: under the temporary folder, or /tmp
-    where TMPDIR is too long for a socket path (at most 107 bytes). Folders that fronts killed
-    without a clean stop left there go first."""
+    where TMPDIR is too long for a socket path (at most 107 bytes). This process holds its owner
+    lock (an ``flock``, released by the kernel when the process ends, however it ends) until
+    ``release_socket_folder``. Folders whose owner is gone go first."""
     base = tempfile.gettempdir()
     base = base if len(base) <= 64 else "/tmp"
     remove_stale_socket_folders(base)
-    return tempfile.mkdtemp(prefix=SOCKET_PREFIX, dir=base)
+    path = tempfile.mkdtemp(prefix=SOCKET_PREFIX, dir=base)
+    fd = os.open(os.path.join(path, OWNER_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _owned[path] = fd
+    return path
+
+
+def release_socket_folder(path: str) -> None:
+    """Remove one of this process's socket folders and let go of its lock."""
+    shutil.rmtree(path, ignore_errors=True)
+    fd = _owned.pop(path, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def remove_stale_socket_folders(base: str, min_age_s: float = 60.0) -> list[str]:
-    """Remove this user's engine socket folders under ``base`` whose socket nobody listens on any
-    more (its front was SIGKILLed: the engine died with it, the folder stayed); returns them. A
-    folder without a socket yet (an engine starting) or with one younger than ``min_age_s`` (bound,
-    not yet listening) is left alone."""
+    """Remove this user's engine socket folders under ``base`` whose owner is gone (its front was
+    SIGKILLed: the engine died with it, the folder stayed); returns them. Ownership decides, not
+    whether the socket answers: a folder whose owner lock another process holds (an engine
+    starting, which does not listen yet, or a live one) is never touched. A folder without a lock
+    (made by an earlier version) goes only when its socket is older than ``min_age_s`` and nobody
+    listens on it."""
     removed = []
     for entry in os.scandir(base):
         if not entry.name.startswith(SOCKET_PREFIX) or not entry.is_dir(follow_symlinks=False):
             continue
-        path = os.path.join(entry.path, "engine.sock")
-        try:
-            info = os.lstat(path)
-        except OSError:
-            continue   # no socket yet: an engine starting
-        if info.st_uid != os.getuid() or not stat.S_ISSOCK(info.st_mode) or time.time() - info.st_mtime < min_age_s:
+        if entry.stat(follow_symlinks=False).st_uid != os.getuid() or entry.path in _owned:
             continue
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-                probe.settimeout(1.0)
-                probe.connect(path)
-            continue   # someone listens: a live engine
-        except ConnectionRefusedError:
-            pass       # a socket file nobody listens on
-        except OSError:
-            continue   # not ours to judge (a timeout, permissions)
-        shutil.rmtree(entry.path, ignore_errors=True)
-        removed.append(entry.path)
+        lock = os.path.join(entry.path, OWNER_LOCK)
+        if os.path.lexists(lock):
+            if _owner_gone(lock):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+            continue
+        if _unowned_and_dead(os.path.join(entry.path, "engine.sock"), min_age_s):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
     return removed
 
+
+def _owner_gone(lock: str) -> bool:
+    """Nobody holds the folder's owner lock (taken and let go here at once)."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:   # held: its front is alive
+        return False
+    finally:
+        os.close(fd)
+
+
+def _unowned_and_dead(path: str, min_age_s: float) -> bool:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False   # no socket yet: an engine starting
+    if info.st_uid != os.getuid() or not stat.S_ISSOCK(info.st_mode) or time.time() - info.st_mtime < min_age_s:
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1.0)
+            probe.connect(path)
+        return False   # someone listens: a live engine
+    except ConnectionRefusedError:
+        return True    # a socket file nobody listens on
+    except OSError:
+        return False   # not ours to judge (a timeout, permissions)
 
 def engine_args(cfg: ServeConfig, model_path: str, device: str, socket_path: str) -> list[str]:
     """The arguments vLLM's API server is started with (``EngineProcess.argv``); the front's own
@@ -211,7 +254,7 @@ class EngineProcess:
         """SIGTERM the child's process group, then SIGKILL whatever is left; reap the child; remove
         the socket's folder (also when nothing was started)."""
         if self.proc is None:
-            shutil.rmtree(self.socket_dir, ignore_errors=True)
+            release_socket_folder(self.socket_dir)
             return
         pgid = self.proc.pid
         try:
@@ -224,4 +267,4 @@ class EngineProcess:
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=10)
-        shutil.rmtree(self.socket_dir, ignore_errors=True)
+        release_socket_folder(self.socket_dir)

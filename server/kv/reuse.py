@@ -15,6 +15,7 @@ passes run here before the request (see ``kv_blend``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 from dataclasses import dataclass
 import hashlib
@@ -29,6 +30,10 @@ from ..options import KVBlend, KVMode
 from . import blend as kv_blend
 
 _KEY = secrets.token_bytes(32)   # session tokens are unguessable by clients
+# the deviation probe runs a model layer on the front's CPU: on a thread of its own (never the pool
+# other work of the front queues on), over at most this many tokens in all (else blend's tail)
+_PROBE = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentkv-probe")
+PROBE_MAX_TOKENS = 32_768
 
 log = logging.getLogger("agentkv.kv_reuse")
 
@@ -116,14 +121,19 @@ async def _blend(cfg, engine, body: dict, params: Params, prepared, edits, reps:
     bs, held_tokens = primed.block_size, primed.held_tokens
     sp = kv_blend.splice(prepared.old_ids, edits)
     deviation = None
-    if strategy == "deviation" and fraction > 0:
+    probed = len(prepared.old_ids) + len(sp.ids) + edits[0].start + len(reps)
+    if strategy == "deviation" and fraction > 0 and probed > PROBE_MAX_TOKENS:
+        out["blend_error"] = f"probe: {probed} tokens to run, over its bound of {PROBE_MAX_TOKENS}"
+        strategy = "tail"
+    elif strategy == "deviation" and fraction > 0:
         t0 = time.perf_counter()
         try:
             from .probe import probe_for
 
-            probe = await asyncio.to_thread(probe_for, model_path)
+            loop = asyncio.get_running_loop()
+            probe = await loop.run_in_executor(_PROBE, probe_for, model_path)
             prime_ids = prepared.old_ids[:edits[0].start] + reps
-            deviation = await asyncio.to_thread(probe.deviation, prepared.old_ids, prime_ids, sp)
+            deviation = await loop.run_in_executor(_PROBE, probe.deviation, prepared.old_ids, prime_ids, sp)
         except Exception as exc:  # no probe for this model: the tail is recomputed instead
             log.warning("session %s: deviation probe failed (%s): recomputing the tail", prepared.session_id, exc)
             out["blend_error"] = f"probe: {exc.__class__.__name__}: {exc}"[:300]

@@ -289,18 +289,24 @@ async def manage(ctx: ContextManager, cfg, window: int, owner: str, ref: Session
                  salt: str, engine_form: EngineForm | None = None, shifting: bool = False) -> Prepared:
     """The request path's compaction step for any API: the session, the policy (the request's edits
     with the server default's for the kinds it does not name, see ``with_defaults``), then
-    ``prepare``: small conversations on the event loop (see ``INLINE_CHARS``), the rest off it."""
+    ``prepare``: small conversations on the event loop (see ``INLINE_CHARS``) when the session log
+    is free, the rest off it."""
     default = default_policy(window, cfg.clear_at, cfg.compact_at) if cfg.context_management else None
     policy = with_defaults(requested, default)
     args = (owner, ref, conversation, tools, policy, window or None, engine_form)
     timing.mark("context_start")
     prepared = None
     kw = {"identity": cfg.kv_connector, "shifting": shifting, "salt": salt}
-    if ctx.sessions.log.LOCAL and text_size(conversation, INLINE_CHARS) <= INLINE_CHARS:
+    log = ctx.sessions.log
+    # inline only where the log is free at once: waiting for its lock (a transaction on a thread)
+    # would stall the event loop, so a held log sends the step to a thread
+    if log.LOCAL and text_size(conversation, INLINE_CHARS) <= INLINE_CHARS and log.lock.acquire(blocking=False):
         try:
             prepared = ctx.prepare(*args, may_summarize=False, **kw)
         except SummaryNeeded:
             pass
+        finally:
+            log.lock.release()
     if prepared is None:
         prepared = await asyncio.to_thread(functools.partial(ctx.prepare, *args, **kw))
     timing.mark("context_end")
