@@ -134,3 +134,30 @@ def test_a_small_step_goes_to_a_thread_while_the_log_is_held(renderer, tmp_path)
     holder.join()
     assert len(ctx.calls) == 1 and ctx.calls[0][0] != loop and ctx.calls[0][1]
     assert prepared.messages == small and log.history("o/e") == small
+
+
+def test_a_keys_context_step_does_the_same_work_whatever_another_key_sent(renderer, tmp_path):
+    """Caches of renders and counts are per key: key B's step on a conversation key A just sent
+    renders as much as B's step on a server that never saw it (the same path, so the same time:
+    no key can time whether another sent a conversation), while A's own repeat renders less."""
+    from agentkv.compaction.prompt import PromptRenderer
+
+    calls = [0]
+
+    def counted():
+        def render(messages, tools, generation_prompt):
+            calls[0] += 1
+            return renderer._render_text(messages, tools, generation_prompt)
+        return PromptRenderer(renderer.tokenizer, render_text=render, check=renderer.check)
+
+    def step(ctx, owner, msgs) -> int:
+        before = calls[0]
+        asyncio.run(manage(ctx, NO_DEFAULT, 8192, owner, SessionRef(f"s-{owner}"), msgs, None, None, salt=owner))
+        return calls[0] - before
+
+    msgs = conversation("agent f", 3_000)
+    cold = step(ContextManager(Sessions(open_session_log(tmp_path / "a.db")), counted(), Note()), "B", msgs)
+    ctx = ContextManager(Sessions(open_session_log(tmp_path / "b.db")), counted(), Note())
+    assert step(ctx, "A", msgs) == cold > 0
+    assert step(ctx, "B", msgs) == cold          # A's traffic changed nothing of B's path
+    assert step(ctx, "A", msgs) < cold           # A's own caches serve A

@@ -208,6 +208,22 @@ def test_a_conversation_without_an_id_never_lands_in_an_explicit_branch(log_targ
     assert "#" not in again.key and again.key != fork.key
 
 
+def test_within_one_key_whoever_sent_a_first_turn_holds_the_session_it_grows_into(log_target):
+    """The documented limit (README, "Security"): the key is the unit of trust. A conversation
+    without a session id joins the stored session whose messages it continues, so a caller of the
+    same key who sent its first turn first holds the id that conversation's later turns land in,
+    and can read them. Another key never; a conversation under an explicit id never joins it."""
+    sessions = Sessions(open_session_log(log_target))
+    planted = sessions.sync("o", SessionRef(None), conv("hello"))                  # sent first by another caller
+    real = conv("hello", "the deploy key is 7731")
+    assert sessions.sync("o", SessionRef(None), real).id == planted.id              # the real client joins it
+    assert "7731" in json.dumps(sessions.log.history(planted.key))                  # readable by that id
+    assert sessions.sync("p", SessionRef(None), real).id != planted.id              # another key: never
+    guarded = real + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "the token is 9911"}]
+    assert sessions.sync("o", SessionRef("mine", "x-session-id"), guarded).key == "o/mine"
+    assert "9911" not in json.dumps(sessions.log.history(planted.key))
+
+
 def test_a_claim_has_one_holder_across_processes_sharing_the_log(log_target):
     """What keeps one message-thread continue at a time on every replica: two connections to one
     log (two processes), concurrent claimers, one winner; released or expired, it can be taken

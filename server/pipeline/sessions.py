@@ -102,7 +102,7 @@ def derived_id(messages: list[Message]) -> str:
     as it grows); each conversation's id is this base and a random token (``Sessions.open``)."""
     first = [m for m in messages if m.get("role") in ("system", "developer")][:1] + \
             [m for m in messages if m.get("role") == "user"][:1]
-    return "auto-" + hashlib.sha256(json.dumps(first, sort_keys=True).encode()).hexdigest()[:24]
+    return "auto-" + message_key(first)[:24]
 
 
 @dataclass

@@ -11,12 +11,10 @@ another key's conversation was summarized (the model's requests carry that key's
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 from collections import OrderedDict
 
-from ...compaction.prompt import Message
+from ...compaction.prompt import Message, message_key
 from ...compaction.summarize import ModelClient
 
 
@@ -35,8 +33,7 @@ class Summaries:
 
     @staticmethod
     def _key(namespace: str, messages: list[Message], max_tokens: int) -> str:
-        raw = json.dumps([namespace, messages, max_tokens], sort_keys=True, ensure_ascii=False).encode()
-        return hashlib.sha256(raw).hexdigest()
+        return message_key([namespace, messages, max_tokens])   # exact: 10 and 10.0, key order, all told apart
 
     def _get(self, key: str, consume_error: bool) -> str | BaseException | None:
         with self._lock:
