@@ -6,8 +6,12 @@ relay against the same engine reached directly.
    tokenizer (SmolLM2's by default), then requests that each add one turn (the model's tool call
    and its result). Per request: the context step (``ContextManager.prepare``: session log sync in
    SQLite, view, the default policy's checks, counts, and the prompt's token ids as KV reuse asks
-   for them) with the renderer's segments and with whole renders (as before), plus the request
-   body's own path (JSON, validation, the body sent on). Also at the largest size: one new
+   for them) with the renderer's segments and with whole renders, both on vLLM's own render of the
+   conversation (``server.render.engine_chat``), plus the request body's own path (JSON,
+   validation, the body sent on), and the ids sent to vLLM (``EngineChat.prompt_ids``: vLLM's chat
+   preprocessing with the template rendered whole, tokenized incrementally) against vLLM's own
+   chat preprocessing of the same request (its ``OnlineRenderer``, which tokenizes the whole
+   prompt: what vLLM does per request when it is sent messages). Also at the largest size: one new
    message of 100..10k tokens, so the time is seen growing with what is new.
 2. **Relay** (a real engine, one server per ``--models``: SmolLM2, whose decode is bound by the
    model as on an accelerator, and the 2-layer tiny model, whose decode is bound by vLLM's own
@@ -36,6 +40,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import statistics
 import tempfile
@@ -122,18 +127,55 @@ def _context_step(renderer, window: int):
 
 
 def _body_path(raw: bytes) -> None:
-    """What the chat route does with the body before the context step, and the body it sends on."""
+    """What the edge and the chat route do with the body before the context step, and the body it
+    sends on."""
+    import msgspec
+
     from ..server.engine.client import encode_json
     from ..server.api.chat.protocol import ChatCompletionRequest, forward_body
 
-    req = ChatCompletionRequest.model_validate(json.loads(raw))
+    req = ChatCompletionRequest.model_validate(msgspec.json.decode(raw))
     body = forward_body(req, "model")
     encode_json(body)
 
 
-def prompt_rows(renderer_of, bases: dict[int, list[dict]], turns: int, new_sizes: list[int]) -> list[dict]:
+def ids_rows(chat, size: int, tokens: int, grown: list[list[dict]]) -> list[dict]:
+    """The ids sent to vLLM for each grown request: the front's (``chat.prompt_ids``, one slot for
+    the conversation: each request tokenizes what is new) and vLLM's own chat preprocessing of the
+    same request (whole tokenization), interleaved request by request; equal ids asserted."""
+    import copy
+
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.renderers.hf import HfRenderer
+
+    ref = copy.copy(chat.online)
+    ref.renderer = HfRenderer(chat.renderer.config, chat.base_tokenizer)
+    out = {"front": ([], []), "vllm": ([], [])}
+
+    async def run():
+        for msgs in grown:
+            body = {"model": "m", "messages": msgs, "tools": TOOLS}
+            t0, c0 = time.perf_counter(), time.process_time()
+            mine = await chat.prompt_ids(body, ("bench", size))
+            out["front"][0].append(time.perf_counter() - t0)
+            out["front"][1].append(time.process_time() - c0)
+            t0, c0 = time.perf_counter(), time.process_time()
+            theirs = (await ref.render_chat(ChatCompletionRequest.model_validate(copy.deepcopy(body))))[1][0]
+            out["vllm"][0].append(time.perf_counter() - t0)
+            out["vllm"][1].append(time.process_time() - c0)
+            if mine != theirs["prompt_token_ids"]:
+                raise RuntimeError("the front's ids differ from vLLM's render")
+    asyncio.run(run())
+    return [{"part": "ids", "mode": {"front": "front ids (incremental)", "vllm": "vLLM chat render"}[k],
+             "tokens": tokens, "messages": len(grown[0]), "cold_ms": t[0] * 1e3,
+             "per_request_ms": statistics.median(t[1:]) * 1e3, "per_request_cpu_ms": statistics.median(c[1:]) * 1e3,
+             "per_request_ms_all": [round(x * 1e3, 3) for x in t[1:]]} for k, (t, c) in out.items()]
+
+
+def prompt_rows(renderer_of, bases: dict[int, list[dict]], turns: int, new_sizes: list[int],
+                chat=None) -> list[dict]:
     """Per conversation (``bases``: by the size asked for) and mode: the first request (cold) and
-    ``turns`` requests adding one turn each."""
+    ``turns`` requests adding one turn each; with ``chat`` (vLLM's render), the ids sent too."""
     from ..server.pipeline.sessions import SessionRef
 
     rows = []
@@ -171,6 +213,8 @@ def prompt_rows(renderer_of, bases: dict[int, list[dict]], turns: int, new_sizes
         rows.append({"part": "body", "mode": "request body", "tokens": tokens, "messages": len(base),
                      "bytes": len(raws[-1]), "per_request_ms": statistics.median(times) * 1e3,
                      "per_request_cpu_ms": statistics.median(cpu) * 1e3})
+        if chat is not None:
+            rows += ids_rows(chat, size, tokens, grown)
     if new_sizes:  # the largest conversation, one new message of each size
         base = list(bases.values())[-1]
         ctx, policy, log = _context_step(renderer_of(True), window=WINDOW)
@@ -463,12 +507,15 @@ def engine_render_rows(engine: tuple[str, str], model: str, conversations: list[
 def plot(prompt: list[dict], engine_render: list[dict], summary: list[dict], relay: list[dict], title: str):
     plt = pyplot()
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.2))
-    for mode, style in (("segments", "o-"), ("whole", "s--"), ("request body", "^:")):
+    for mode, style in (("segments", "o-"), ("whole", "s--"), ("request body", "^:"),
+                        ("front ids (incremental)", "v-"), ("vLLM chat render", "x--")):
         rs = [r for r in prompt if r["mode"] == mode and r["part"] != "new"]
         if rs:
             a.plot([r["tokens"] for r in rs], [r["per_request_ms"] for r in rs], style,
                    label={"segments": "context step, segments", "whole": "context step, whole render",
-                          "request body": "request body (JSON, validation, sent on)"}[mode])
+                          "request body": "request body (JSON, validation, sent on)",
+                          "front ids (incremental)": "ids sent to vLLM (vLLM's render, tokenized incrementally)",
+                          "vLLM chat render": "vLLM's chat render, whole tokenization (in process)"}[mode])
     for model in dict.fromkeys(r["model"] for r in engine_render):
         rs = [r for r in engine_render if r["model"] == model]
         a.plot([r["tokens"] for r in rs], [r["per_request_ms"] for r in rs], "d-.",
@@ -525,22 +572,24 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--url needs --engine-url and --engine-key (the engine that server runs on)")
     from tqdm import tqdm
 
-    from ..compaction.prompt import KnownMessages, PromptRenderer
+    from ..compaction.prompt import PromptRenderer
     from ..server.embedded_model.catalog import model_dir
+    from ..server.render.engine_chat import counting_renderer, for_model
 
     path = args.tokenizer or str(model_dir(SMOLLM2))
-    tokenizer = PromptRenderer.from_pretrained(path, segments=False).tokenizer
+    os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")   # rendering only: conversations past its window
+    chat = for_model(path, "--max-model-len", str(max(args.sizes) * 2), "--enable-auto-tool-choice",
+                     "--tool-call-parser", "hermes")
+    segmented = counting_renderer(chat)
 
     def renderer(segments: bool) -> PromptRenderer:
-        """With segments (now), or as before: whole renders, every message hashed on every request."""
-        r = PromptRenderer(tokenizer, segments=segments)
-        if not segments:
-            r.known = KnownMessages(max_lists=0)
-        return r
+        """The server's counting renderer (vLLM's render): by segments, or every request whole."""
+        return segmented.sibling() if segments else PromptRenderer(chat.base_tokenizer, segments=False,
+                                                                   render_text=chat.chat_text)
 
     counter = renderer(True)
     bases = {size: conversation(counter, size) for size in args.sizes}   # built once, for both parts
-    prompt = prompt_rows(renderer, bases, args.turns, args.new_sizes) if "prompt" in args.parts else []
+    prompt = prompt_rows(renderer, bases, args.turns, args.new_sizes, chat) if "prompt" in args.parts else []
     relay, engine_render = [], []
     conversations = [(counter.count(c, TOOLS), c) for c in bases.values()] if "relay" in args.parts else []
     for served in ([None] if args.url else args.models) if "relay" in args.parts else []:
