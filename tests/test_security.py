@@ -361,8 +361,8 @@ def test_every_request_the_engine_receives_carries_a_cache_salt(small_server):
         {"role": "user", "content": f"{marker} summarize this"}, {"role": "assistant", "content": "ok"},
         {"role": "user", "content": "and this"}]})
     assert r.status_code == 200, r.text
-    bodies = [json.loads(line.split(" JSON body: ", 1)[1]) for line in small_server.log_path.read_text().splitlines()
-              if " JSON body: " in line]
+    lines = small_server.log_path.read_text(errors="replace").split("\n")   # not splitlines: U+2028 is JSON text
+    bodies = [json.loads(line.split(" JSON body: ", 1)[1]) for line in lines if " JSON body: " in line]
     mine = [b for b in bodies if marker in json.dumps(b)]
     assert len(mine) >= 4, len(mine)   # two turns, a completion, the summary (its prompt holds the marker)
     assert all(b.get("cache_salt") for b in bodies), [b for b in bodies if not b.get("cache_salt")][:1]
