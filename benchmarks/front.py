@@ -611,7 +611,8 @@ def main(argv: list[str] | None = None) -> dict:
     models = list(dict.fromkeys(r["model"] for r in relay))
     result = {"machine": m, "tokenizer": tok_name, "models": models, "prompt": prompt, "engine_render": engine_render,
               "relay": relay, "relay_summary": summary}
-    name = "front" + ("-quick" if args.quick else "")
+    # a run of one part writes a file of its own: it never replaces the results of both
+    name = "front" + ("" if len(args.parts) == 2 else f"-{args.parts[0]}") + ("-quick" if args.quick else "")
     fig = plot(prompt, engine_render, summary, relay,
                f"agentkv front: prompt work ({tok_name}) and relay ({', '.join(models)})\n{machine_line(m)}")
     jpath, ppath = write_results(name, result, fig, args.out)

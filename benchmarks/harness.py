@@ -85,8 +85,10 @@ def print_table(title: str, columns: list[str], rows: list[list], caption: str) 
 class Endpoint:
     """An OpenAI-compatible agentkv endpoint: a given URL, or a server started for the benchmark."""
 
-    def __init__(self, url: str | None = None, api_key: str | None = None, serve_args: tuple[str, ...] = ()):
+    def __init__(self, url: str | None = None, api_key: str | None = None, serve_args: tuple[str, ...] = (),
+                 startup_timeout_s: float = 900):
         self.url, self.api_key, self.serve_args, self.proc = url, api_key, serve_args, None
+        self.startup_timeout_s = startup_timeout_s
 
     def __enter__(self) -> "Endpoint":
         if self.url is None:
@@ -94,23 +96,32 @@ class Endpoint:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None:
-            import signal
+        self.stop()
 
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=120)
+    def stop(self) -> None:
+        """Stop the server this endpoint started (its engine goes with it), however the run ends."""
+        from ..server.engine.process import stop_group
+
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            stop_group(proc, grace_s=120)
 
     def _start(self) -> None:
         import subprocess
         import sys
 
-        from ..server.engine.process import free_port
+        from ..server.engine.process import die_with_parent, free_port
 
         port = free_port()
         self.proc = subprocess.Popen([sys.executable, "-m", "agentkv.server.cli", "serve", "--port", str(port),
-                                      *self.serve_args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                      *self.serve_args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True, preexec_fn=die_with_parent)
         self.url = f"http://127.0.0.1:{port}"
-        wait_ready(self.proc, f"{self.url}/health", 900, "agentkv serve")
+        try:
+            wait_ready(self.proc, f"{self.url}/health", self.startup_timeout_s, "agentkv serve")
+        except BaseException:   # not ready, or interrupted: nothing it started stays behind
+            self.stop()
+            raise
 
     def http(self, timeout: float = 600):
         import httpx

@@ -131,7 +131,12 @@ BENCHMARKS = {
 
 def cmd_bench(ns: argparse.Namespace) -> int:
     import importlib
+    import signal
 
+    def stop(signum, frame):   # SIGTERM ends a benchmark as Ctrl-C does: what it started is stopped on the way out
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
     importlib.import_module(BENCHMARKS[ns.name]).main(ns.args)
     return 0
 

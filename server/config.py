@@ -56,6 +56,10 @@ class ServeConfig(BaseModel):
     enforce_eager: bool | None = Field(None, description="disable graph capture (default: on for CPU, off for GPU)")
     engine_startup_timeout_s: float = Field(900.0, gt=0, description="seconds to wait for vLLM to become healthy")
     engine_restarts: int = Field(3, ge=0, description="relaunch vLLM when it dies, at most this many times an hour (0: never)")
+    engine_stall_s: float | None = Field(
+        None, gt=0, description="seconds the engine may go without progress (work in flight, or any of its "
+                                "processes stopped) before it is killed and relaunched; default: 120 on CPU and GPU "
+                                "(README, \"Reliability\")")
     engine_args: tuple[str, ...] = Field((), description="extra arguments passed verbatim to vLLM")
     engine_input: EngineInputMode = Field(
         "tokens", description="how prompts reach vLLM: the front's token ids (tokens: vLLM skips rendering and "

@@ -26,11 +26,14 @@ KV_FALLBACKS = Counter("agentkv_kv_fallbacks", "Edits the front recomputed witho
 KV_PRIMED = Counter("agentkv_kv_primed_tokens", "Prompt tokens of priming requests (placeholders computed "
                     "for shifting)", registry=REGISTRY)
 ENGINE_INPUT = Counter("agentkv_engine_input_requests", "Chat requests sent to the engine by the form of their "
-                       "prompt (tokens: the front's token ids; messages: vLLM renders them) and why they went as "
-                       "messages (server: --engine-input messages; request: the request's engine_input; "
-                       "field:<name> / template_variable:<name>: a field that changes vLLM's render; "
-                       "non_text_content; render_mismatch: the engine renders differently; unchecked: the "
-                       "engine could not be asked)", ["input", "reason"], registry=REGISTRY)
+                       "prompt (tokens: the front's ids, vLLM's own render; messages: vLLM renders them) and why "
+                       "they went as messages (server: --engine-input messages; request: the request's "
+                       "engine_input; field:<name>: a field with which vLLM renders itself; non_text_content; "
+                       "renderer: harmony, a renderer mode other than HF's, a template reading the clock, or no "
+                       "renderer in the front; refused: vLLM's preprocessing refuses the request, the engine "
+                       "answers it)", ["input", "reason"], registry=REGISTRY)
+ENGINE_STALLS = Counter("agentkv_engine_stalls", "vLLM engines killed and relaunched because they made no "
+                        "progress (--engine-stall-s)", registry=REGISTRY)
 PROMPT_TOKENS = Counter("agentkv_prompt_tokens", "Chat prompt tokens by how the engine got their K/V "
                         "(cached: prefix cache or connector; computed: prefilled)", ["source"], registry=REGISTRY)
 

@@ -57,6 +57,9 @@ def test_quick_front_benchmark_writes_results(server, tmp_path):
             ("whole", seg["tokens"], seg["new_tokens_per_request"])
     new = [r["new_tokens"] for r in result["prompt"] if r["part"] == "new"]
     assert len(new) == 2 and 0 < new[0] < new[1]
+    ids = [r for r in result["prompt"] if r["part"] == "ids"]   # the ids sent (equal to vLLM's: checked there)
+    assert [r["mode"] for r in ids] == ["front ids (incremental)", "vLLM chat render"] * 2
+    assert all(r["per_request_ms"] > 0 for r in ids)
     # vLLM's own render + tokenize of the same conversations, on its /tokenize route
     render = result["engine_render"]
     sizes = sorted({r["tokens"] for r in prompt})

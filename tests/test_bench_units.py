@@ -70,3 +70,21 @@ def test_relay_intervals_and_verdict():
     assert rank_difference(a, b) == pytest.approx(2.0)
     assert statistics.median(t for r in a for t in r) - statistics.median(t for r in b for t in r) < -20
     assert [rounds_at(c, 4, 32) for c in (1, 2, 4, 8, 64)] == [32, 16, 8, 4, 4] and rounds_at(1, 2, 0) == 2
+
+
+def test_a_server_that_is_not_ready_in_time_is_stopped_with_all_it_started():
+    """A benchmark's server that does not become ready in time (one replica of ``bench replicas``
+    once): the error names it, and its process group is gone, the engine it was starting included."""
+    import psutil
+    import pytest
+
+    from agentkv.benchmarks.harness import Endpoint
+
+    ep = Endpoint(serve_args=("--model", "agentkv-tiny"), startup_timeout_s=8)
+    with pytest.raises(RuntimeError, match="not ready within 8 s"):
+        with ep:
+            pass
+    assert ep.proc is None
+    me = psutil.Process()
+    assert not [p for p in me.children(recursive=True) if "agentkv.server.cli" in " ".join(p.cmdline())
+                or "vllm" in " ".join(p.cmdline())]

@@ -245,3 +245,103 @@ def test_unreachable_session_log_is_503_then_reconnects(small_server, postgres_u
     r = http.post("/v1/chat/completions", headers={"X-Session-Id": sid}, json=more)
     assert r.status_code == 200, r.text
     assert _log(small_server, sid) == more["messages"]          # the refused request logged nothing
+
+
+def _leaf(server) -> psutil.Process:
+    """The engine's compute process (vLLM's worker: the leaf of its process tree)."""
+    engine = _engine(server)
+    leaves = [p for p in engine.children(recursive=True) if not p.children()]
+    assert leaves, "no worker under the engine"
+    return leaves[0]
+
+
+STALL_S = 8   # the stall bound of the server below (the default is 120 s)
+
+
+@pytest.fixture(scope="module")
+def stall_server(tmp_path_factory):
+    """A server whose engine is declared stuck after 8 s without progress: 16 layers of the tiny
+    model, so a long prompt's prefill takes well over that on these CPUs."""
+    srv = start_server(tmp_path_factory.mktemp("agentkv-stall"), "--model", "agentkv-tiny-16l",
+                       "--served-model-name", MODEL, "--engine-stall-s", str(STALL_S))
+    yield srv
+    stop_server(srv)
+
+
+def _stalled(server, since: float, bound: float) -> dict:
+    """/health once the watchdog noticed the stall: 503 ``restarting`` naming it, within ``bound``."""
+    health = _wait_health(server, 503, bound + 60, status="restarting")
+    assert time.monotonic() - since < bound + 60
+    assert "stuck" in health["error"] and "restarting" in health["error"], health
+    return health
+
+
+def test_a_stopped_engine_is_noticed_mid_stream_and_relaunched(stall_server):
+    """The engine's worker stopped (SIGSTOP: a hung GPU, a deadlock, a swapped-out host look alike
+    from outside) in the middle of a stream: the stream ends with ``engine_unavailable`` within the
+    stall bound, /health says 503 with the reason, new requests get 503, the engine is killed and
+    relaunched (counted), the log keeps the message, and a request is served after."""
+    server, sid = stall_server, "stall-stream"
+    _wait_health(server, 200)
+    stalls = _metric(server, "agentkv_engine_stalls_total")
+    msgs = [{"role": "system", "content": "agent"}, {"role": "user", "content": "count to a thousand"}]
+    worker = _leaf(server)
+    stream = server.client(timeout=300).chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=8000, stream=True, extra_headers={"X-Session-Id": sid},
+        extra_body={"ignore_eos": True})
+    got, t_stop, error = 0, None, None
+    try:
+        for _ in stream:
+            got += 1
+            if got == 5:
+                os.kill(worker.pid, signal.SIGSTOP)
+                t_stop = time.monotonic()
+    except openai.APIError as exc:
+        error = exc
+    assert t_stop is not None and error is not None, f"the stream of {got} chunks ended without an error"
+    assert error.code == "engine_unavailable", error.body
+    assert time.monotonic() - t_stop < STALL_S + 60
+    _stalled(server, t_stop, STALL_S)
+    with pytest.raises(openai.APIStatusError) as during:
+        server.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    assert during.value.status_code == 503 and during.value.code == "engine_unavailable"
+    assert _metric(server, "agentkv_engine_stalls_total") == stalls + 1
+    assert not psutil.pid_exists(worker.pid) or psutil.Process(worker.pid).status() == psutil.STATUS_ZOMBIE
+    _wait_health(server, 200)
+    assert _log(server, sid) == msgs
+    ok = server.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_stopped_idle_engine_is_noticed_and_relaunched(stall_server):
+    """Stopped with nothing in flight: /health turns 503 naming the stopped process within the
+    bound (a router takes the replica out), and the relaunched engine serves."""
+    server = stall_server
+    _wait_health(server, 200)
+    stalls = _metric(server, "agentkv_engine_stalls_total")
+    worker = _leaf(server)
+    os.kill(worker.pid, signal.SIGSTOP)
+    t_stop = time.monotonic()
+    health = _stalled(server, t_stop, STALL_S)
+    assert "stopped" in health["error"], health
+    assert _metric(server, "agentkv_engine_stalls_total") == stalls + 1
+    _wait_health(server, 200)
+    r = server.http().post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "back?"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_a_long_progressing_prefill_is_not_declared_stuck(stall_server):
+    """A prompt whose prefill takes several stall bounds on these CPUs: its worker computes the
+    whole time, so nothing is declared stuck and the request is answered."""
+    server = stall_server
+    _wait_health(server, 200)
+    stalls = _metric(server, "agentkv_engine_stalls_total")
+    words = " ".join(f"w{i}" for i in range(12_000))   # ~24k tokens of the tiny tokenizer
+    t0 = time.monotonic()
+    r = server.http().post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": words}], "max_tokens": 1, "temperature": 0})
+    took = time.monotonic() - t0
+    assert r.status_code == 200, r.text
+    assert _metric(server, "agentkv_engine_stalls_total") == stalls
+    assert took > 2 * STALL_S, f"the prefill took {took:.1f} s: too short to show anything"

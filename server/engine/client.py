@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from starlette.background import BackgroundTask
 
 from .. import timing
 from ..errors import error_body, error_response
+from .progress import Inflight
 
 
 log = logging.getLogger("agentkv.proxy")
@@ -54,11 +56,13 @@ class EngineUnavailable(Exception):
 
 class EngineResponse:
     """A streamed engine response: ``status_code``, the body in ``chunks()`` as it arrives (or
-    ``read()`` whole); ``close()`` releases its connection. Transport errors come out as
-    ``EngineUnavailable``."""
+    ``read()`` whole); ``close()`` releases its connection (and its place among the requests in
+    flight). Transport errors come out as ``EngineUnavailable``."""
 
-    def __init__(self, resp: aiohttp.ClientResponse):
+    def __init__(self, resp: aiohttp.ClientResponse, inflight: Inflight | None = None):
         self._resp, self.status_code = resp, resp.status
+        # its place in flight ends with ``close()``, or with the object where nobody closed it
+        self._done = weakref.finalize(self, inflight.__exit__, None, None, None) if inflight else None
 
     async def read(self) -> bytes:
         try:
@@ -82,14 +86,17 @@ class EngineResponse:
 
     def close(self) -> None:
         self._resp.release()
+        if self._done is not None:
+            self._done()   # once: a finalizer runs at most once
 
 
 class EngineClient:
     """Talks to one engine on its Unix socket with its secret: one aiohttp session for the front
     (its C HTTP parser reads a streamed chunk for a fraction of a pure-Python client's cost)."""
 
-    def __init__(self, socket_path: str, secret: str):
+    def __init__(self, socket_path: str, secret: str, inflight: Inflight | None = None):
         self.socket_path = socket_path
+        self.inflight = inflight or Inflight()   # work requests (POSTs) open now: the stall watchdog's
         # a new connection per request (a Unix socket connects in microseconds): a kept-alive one can
         # be closed by vLLM's keep-alive timeout just as a request is sent on it (seen under load as
         # ClientOSError, and a POST is not retried); no bound on connections (one per stream)
@@ -103,13 +110,20 @@ class EngineClient:
 
     async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> EngineResponse:
         data = None if body is None else encode_json(body)
+        work = self.inflight if method == "POST" else None
+        if work is not None:
+            work.__enter__()
         timing.mark("engine_sent")
         try:
             resp = await self._http.request(method, path, data=data, headers=None if body is None else JSON)
-        except _TRANSPORT as exc:
-            raise EngineUnavailable(exc) from exc
+        except BaseException as exc:
+            if work is not None:
+                work.__exit__(None, None, None)
+            if isinstance(exc, _TRANSPORT):
+                raise EngineUnavailable(exc) from exc
+            raise
         timing.mark("engine_answered")
-        return EngineResponse(resp)
+        return EngineResponse(resp, work)
 
     async def _whole(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
         resp = await self._request(method, path, body)

@@ -62,11 +62,31 @@ def resolve_device(requested: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """``preexec_fn`` of a child process: it gets SIGTERM when the thread that started it ends
+    (PR_SET_PDEATHSIG), so a parent killed outright (SIGKILL) leaves no process behind."""
     try:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """Stop a child started with ``start_new_session`` and everything in its process group:
+    SIGTERM, then SIGKILL after ``grace_s``; reaped either way."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        except ProcessLookupError:
+            pass
+    try:   # whatever of the group is left goes now
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
 
 
 SOCKET_PREFIX = "agentkv-engine-"
@@ -223,7 +243,7 @@ class EngineProcess:
         log.info("starting vLLM (%s): %s", self.device, " ".join(self.argv()))
         self.proc = subprocess.Popen(
             self.argv(), env=self.env(), cwd=workdir, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_die_with_parent,
+            start_new_session=True, preexec_fn=die_with_parent,
         )
 
     def alive(self) -> bool:

@@ -44,4 +44,5 @@ class EngineModelClient:
             return self._client
 
     def complete(self, messages: list[Message], max_tokens: int, cache_salt: str | None = None) -> str:
-        return self._current().complete(messages, max_tokens, cache_salt)
+        with self.supervisor.inflight:   # work at the engine, for the stall watchdog
+            return self._current().complete(messages, max_tokens, cache_salt)

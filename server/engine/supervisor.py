@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -12,14 +14,16 @@ from enum import Enum
 
 from ..config import ServeConfig
 from ..embedded_model import is_embedded
-from .process import EngineError, EngineProcess, resolve_device
-from ..metrics import ENGINE_RESTARTS, ENGINE_STARTS, ENGINE_UP
+from ..metrics import ENGINE_RESTARTS, ENGINE_STALLS, ENGINE_STARTS, ENGINE_UP
 from .client import EngineClient, EngineUnavailable
+from .process import EngineError, EngineProcess, resolve_device
+from .progress import DEFAULT_STALL_S, Inflight, ProgressWatch, look, tokens_of
 
 log = logging.getLogger("agentkv.supervisor")
 WATCH_INTERVAL_S = 0.5
 RESTART_WINDOW_S = 3600.0
 RELAUNCH_DELAY_S = 2.0  # after a relaunch that failed, before the next try
+METRICS_DEADLINE_S = 5.0   # the stall watchdog's read of the engine's counters
 
 
 class EngineState(str, Enum):
@@ -41,8 +45,9 @@ def resolve_model_path(cfg: ServeConfig) -> str:
 
 class Supervisor:
     """Created once per app. `start()` returns at once; the engine comes up in the background and
-    is watched from then on: when it exits, in-flight requests fail with a clean error, /health
-    turns 503 (``restarting``), and a new engine is launched. Every relaunch, the ones that fail
+    is watched from then on: when it exits, or makes no progress for ``--engine-stall-s``
+    (``progress``: then its process group is killed), in-flight requests fail with a clean error,
+    /health turns 503 (``restarting``, the reason in ``error``), and a new engine is launched. Every relaunch, the ones that fail
     included, counts against ``cfg.engine_restarts`` an hour; a relaunch that fails is tried
     again after ``RELAUNCH_DELAY_S`` while that budget lasts. Then, and when the very first launch
     fails (a configuration error, most likely), the state is ``failed``. Nothing ends the watch
@@ -60,6 +65,7 @@ class Supervisor:
         self.model_known = asyncio.Event()  # set once model_path is (the tokenizer can load meanwhile)
         self.max_model_len: int = 0
         self._crashes: deque[float] = deque()
+        self.inflight = Inflight()   # requests the front has at the engine (the stall watchdog's "work")
 
     def start(self) -> None:
         self.state = EngineState.STARTING
@@ -81,10 +87,14 @@ class Supervisor:
             failure = await self._launch()
             if failure is None:
                 served = True
-                while self.engine is not None and self.engine.alive():
-                    await asyncio.sleep(WATCH_INTERVAL_S)
-                code = self.engine.proc.returncode if self.engine and self.engine.proc else None
-                again = self._may_restart(f"the vLLM engine exited (code {code})")
+                stuck = await self._watch(self.engine)
+                if stuck:
+                    self._kill_stuck(stuck)
+                    why = stuck
+                else:
+                    code = self.engine.proc.returncode if self.engine and self.engine.proc else None
+                    why = f"the vLLM engine exited (code {code})"
+                again = self._may_restart(why)
                 await self._discard()
                 if not again:
                     return
@@ -95,6 +105,48 @@ class Supervisor:
                 await asyncio.sleep(RELAUNCH_DELAY_S)
             else:
                 return
+
+    async def _watch(self, engine: EngineProcess) -> str | None:
+        """Wait while the engine lives; None when it exits, else why it is stuck (``progress``)."""
+        device = engine.device if engine.device in DEFAULT_STALL_S else "cuda"
+        watch = ProgressWatch(self.cfg.engine_stall_s or DEFAULT_STALL_S[device], device)
+        while engine.alive():
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            if engine.proc is None:
+                continue
+            procs = await asyncio.to_thread(look, engine.proc.pid)
+            inflight = self.inflight.n
+            tokens = await self._tokens() if watch.needs_tokens(procs, inflight) else None
+            stuck = watch.observe(inflight, procs, tokens)
+            if stuck and engine.alive():
+                return stuck
+        return None
+
+    async def _tokens(self) -> float | None:
+        """The engine's token counters, or None where it does not answer within the deadline."""
+        client = self.client
+        if client is None:
+            return None
+        try:
+            status, text = await asyncio.wait_for(client.get_text("/metrics"), METRICS_DEADLINE_S)
+        except (asyncio.TimeoutError, EngineUnavailable):
+            return None
+        return tokens_of(text) if status == 200 else None
+
+    def _kill_stuck(self, why: str) -> None:
+        """Stuck is handled as a crash: refuse new requests at once, kill the engine's whole process
+        group (SIGKILL ends stopped processes too); the streams in flight end with an error event
+        as their connections close, and the relaunch follows as after an exit."""
+        log.error("%s: killing it", why)
+        self.state, self.error = EngineState.RESTARTING, f"{why}; restarting"
+        ENGINE_UP.set(0)
+        ENGINE_STALLS.inc()
+        engine = self.engine
+        if engine is not None and engine.proc is not None:
+            try:
+                os.killpg(engine.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def _may_restart(self, failure: str) -> bool:
         now = time.monotonic()
@@ -131,7 +183,7 @@ class Supervisor:
             self.engine = self.engine_factory(self.cfg, self.model_path, resolve_device(self.cfg.device))
             ENGINE_STARTS.inc()
             await self.engine.start()
-            client = EngineClient(self.engine.socket_path, self.engine.secret)
+            client = EngineClient(self.engine.socket_path, self.engine.secret, self.inflight)
             try:
                 _, models = await client.get_json("/v1/models")
                 self.max_model_len = int(models["data"][0]["max_model_len"])
