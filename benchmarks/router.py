@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from ..server.engine.process import die_with_parent, free_port
+from ..server.engine.process import dies_with_parent, free_port
 from .harness import wait_ready
 
 CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "router" / "haproxy.cfg"
@@ -81,7 +81,7 @@ def run_router(replicas: list[str], workdir: Path | None = None, config: str | N
     env = dict(os.environ, AGENTKV_ROUTER_BIND=f"127.0.0.1:{port}", AGENTKV_ROUTER_STATS_BIND=f"127.0.0.1:{stats}")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([exe, "-db", "-f", str(cfg)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=die_with_parent)
+                                start_new_session=True, preexec_fn=dies_with_parent())
     router = Router(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{stats}", log_path)
     try:   # ready once it sees a replica up
         wait_ready(proc, f"{router.url}/router/health", timeout_s, "the router", log_path)

@@ -31,7 +31,7 @@ REAL = "smollm2-135m-instruct"  # the default model: real answers, ~10x slower o
 
 # Models are built once, where setup.sh built them, not in every test server's home.
 from agentkv.server.embedded_model.catalog import models_dir  # noqa: E402
-from agentkv.server.engine.process import die_with_parent  # noqa: E402
+from agentkv.server.engine.process import dies_with_parent  # noqa: E402
 
 os.environ.setdefault("AGENTKV_MODELS", str(models_dir()))
 API_KEY = "sk-agentkv-test"
@@ -83,7 +83,7 @@ def start_server(home: Path, *extra: str, env: dict[str, str] | None = None, mod
     cmd = [sys.executable, "-m", "agentkv.server.cli", "serve", "--port", str(port), *extra]
     with open(log_path, "wb") as log:   # it dies with this test run, however the run ends
         proc = subprocess.Popen(cmd, env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=die_with_parent)
+                                start_new_session=True, preexec_fn=dies_with_parent())
     server = Server(proc, f"http://127.0.0.1:{port}", log_path, home)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:

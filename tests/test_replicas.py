@@ -11,8 +11,10 @@ streamed turn loses no logged message, and the conversation goes on on the other
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import secrets
+import signal
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +46,9 @@ class Cluster:
         return [i for i in (0, 1) if after.get(f"replica{i + 1}", 0) > before.get(f"replica{i + 1}", 0)]
 
 
+STALL_S = 8   # the replicas' stall bound (a stopped engine leaves the pool within seconds)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, postgres_url, haproxy):
     root = tmp_path_factory.mktemp("replicas")
@@ -53,7 +58,8 @@ def cluster(tmp_path_factory, postgres_url, haproxy):
         db = stack.enter_context(new_database(postgres_url))
         homes = [root / "r1", root / "r2"]
         with ThreadPoolExecutor(2) as pool:   # both engines start at once
-            futures = [pool.submit(start_server, h.mkdir() or h, "--session-db", db, "--compaction-key-file", str(key))
+            futures = [pool.submit(start_server, h.mkdir() or h, "--session-db", db, "--compaction-key-file", str(key),
+                                   "--engine-stall-s", str(STALL_S))
                        for h in homes]
         replicas = []
         for f in futures:   # each one that came up is stopped, also when the other failed
@@ -244,6 +250,36 @@ def kill_tree(pid: int) -> None:
     for p in [*proc.children(recursive=True), proc]:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
+
+
+def test_a_replica_whose_engine_is_stopped_leaves_the_pool_and_its_conversation_moves(cluster):
+    """A replica's engine stopped (SIGSTOP of its worker: a hang, from outside): its /health turns
+    503 within the stall bound, the router's health checks take it out, and its conversation's next
+    turn is answered by the other replica from the shared log; the stopped engine is replaced and
+    the replica rejoins the pool."""
+    sid = f"stopped-{uuid.uuid4().hex[:8]}"
+    before = cluster.router.server_responses()
+    messages, _ = chat_turns(cluster.router.url, sid, 2)
+    (home,) = set(cluster.served(before))
+    name, other = f"replica{home + 1}", f"replica{2 - home}"
+    engine = next(p for p in psutil.Process(cluster.replicas[home].proc.pid).children(recursive=True)
+                  if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline()))
+    worker = next(p for p in engine.children(recursive=True) if not p.children() and p.name().startswith("VLLM::"))
+    os.kill(worker.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + STALL_S + 60
+    while cluster.router.up()[name] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert cluster.router.up() == {name: False, other: True}
+    before = cluster.router.server_responses()
+    more, _ = chat_turns(cluster.router.url, sid, 1, start=messages)
+    assert cluster.served(before) == [1 - home]
+    assert [m["content"] for m in log_of(cluster.replicas[1 - home], sid) if m["role"] == "user"] == \
+        [m["content"] for m in more if m["role"] == "user"]
+    deadline = time.monotonic() + 600   # relaunched: back in the pool (the next test needs both)
+    while not all(cluster.router.up().values()) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert all(cluster.router.up().values())
+    assert "agentkv_engine_stalls_total 1.0" in cluster.replicas[home].http().get("/metrics").text
 
 
 def test_a_replica_killed_mid_turn_loses_no_logged_message(cluster):

@@ -89,6 +89,11 @@ class EngineResponse:
         if self._done is not None:
             self._done()   # once: a finalizer runs at most once
 
+    def fail(self, exc: BaseException) -> None:
+        """The next read raises ``exc`` (as ``EngineUnavailable``)."""
+        if not self._resp.content.is_eof():
+            self._resp.content.set_exception(exc)
+
 
 class EngineClient:
     """Talks to one engine on its Unix socket with its secret: one aiohttp session for the front
@@ -97,6 +102,7 @@ class EngineClient:
     def __init__(self, socket_path: str, secret: str, inflight: Inflight | None = None):
         self.socket_path = socket_path
         self.inflight = inflight or Inflight()   # work requests (POSTs) open now: the stall watchdog's
+        self._open: weakref.WeakSet[EngineResponse] = weakref.WeakSet()   # responses not yet closed
         # a new connection per request (a Unix socket connects in microseconds): a kept-alive one can
         # be closed by vLLM's keep-alive timeout just as a request is sent on it (seen under load as
         # ClientOSError, and a POST is not retried); no bound on connections (one per stream)
@@ -106,7 +112,15 @@ class EngineClient:
             timeout=aiohttp.ClientTimeout(total=None, connect=5.0), auto_decompress=False)
 
     async def aclose(self) -> None:
+        self.fail_open("the engine's connection was closed")
         await self._http.close()
+
+    def fail_open(self, why: str) -> None:
+        """Every response still open raises at its next read (``EngineUnavailable``): a stream
+        whose engine was killed ends with an error at once (a connection this side closes does
+        not always tell its reader)."""
+        for resp in list(self._open):
+            resp.fail(aiohttp.ClientConnectionError(why))
 
     async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> EngineResponse:
         data = None if body is None else encode_json(body)
@@ -123,7 +137,9 @@ class EngineClient:
                 raise EngineUnavailable(exc) from exc
             raise
         timing.mark("engine_answered")
-        return EngineResponse(resp, work)
+        out = EngineResponse(resp, work)
+        self._open.add(out)
+        return out
 
     async def _whole(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
         resp = await self._request(method, path, body)

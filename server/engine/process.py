@@ -25,6 +25,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,11 +65,18 @@ def resolve_device(requested: str) -> str:
 
 def die_with_parent() -> None:
     """``preexec_fn`` of a child process: it gets SIGTERM when the thread that started it ends
-    (PR_SET_PDEATHSIG), so a parent killed outright (SIGKILL) leaves no process behind."""
+    (PR_SET_PDEATHSIG), so a parent killed outright (SIGKILL) leaves no process behind. Only for
+    children started by a thread that lives as long as its process (``dies_with_parent``)."""
     try:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def dies_with_parent():
+    """``die_with_parent`` where this thread is the main one; None elsewhere (a pool's thread ends
+    before its process, and the child would be killed with it)."""
+    return die_with_parent if threading.current_thread() is threading.main_thread() else None
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:

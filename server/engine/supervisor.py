@@ -147,6 +147,8 @@ class Supervisor:
                 os.killpg(engine.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        if self.client is not None:
+            self.client.fail_open(why)
 
     def _may_restart(self, failure: str) -> bool:
         now = time.monotonic()
