@@ -105,7 +105,8 @@ class ProgressWatch:
         if procs is None:
             return None                            # the process is gone: the watchdog sees the exit
         if procs.stopped:
-            self._stopped_since = self._stopped_since or now
+            if self._stopped_since is None:
+                self._stopped_since = now
             if now - self._stopped_since >= self.stall_s:
                 return (f"the vLLM engine was stuck: {', '.join(procs.stopped)} stopped for "
                         f"{now - self._stopped_since:.0f} s")
@@ -118,7 +119,8 @@ class ProgressWatch:
         if inflight <= 0 or tokens_moved or (self.cpu_counts and cpu_moved):
             self._since = None
             return None
-        self._since = self._since or now
+        if self._since is None:
+            self._since = now
         if now - self._since >= self.stall_s:
             return (f"the vLLM engine was stuck: no progress for {now - self._since:.0f} s with {inflight} "
                     f"request(s) in flight (--engine-stall-s {self.stall_s:g})")
