@@ -116,7 +116,7 @@ class Endpoint:
         self.proc = subprocess.Popen([sys.executable, "-m", "agentkv.server.cli", "serve", "--port", str(port),
                                       *self.serve_args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True, preexec_fn=dies_with_parent())
-        self.url = f"http://127.0.0.1:{port}"
+        self.url, self.pid = f"http://127.0.0.1:{port}", self.proc.pid
         try:
             wait_ready(self.proc, f"{self.url}/health", self.startup_timeout_s, "agentkv serve")
         except BaseException:   # not ready, or interrupted: nothing it started stays behind
