@@ -125,6 +125,7 @@ BENCHMARKS = {
     "replicas": "agentkv.benchmarks.replicas",
     "connector-cost": "agentkv.benchmarks.connector_cost",
     "front": "agentkv.benchmarks.front",
+    "sessions": "agentkv.benchmarks.sessions",
     "report": "agentkv.benchmarks.report",
 }
 
@@ -179,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         return ns.func(ns)
     except ValidationError as exc:
         err = exc.errors()[0]
-        parser.exit(2, f"agentkv: error: {flag_name(str(err['loc'][0]))}: {err['msg']}\n")
+        where = f"{flag_name(str(err['loc'][0]))}: " if err["loc"] else ""   # a rule across flags names none
+        parser.exit(2, f"agentkv: error: {where}{err['msg']}\n")
     except ValueError as exc:
         parser.exit(2, f"agentkv: error: {exc}\n")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import unquote
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..compaction.log.open import is_postgres_url
 from .embedded_model.names import DEFAULT_MODEL
@@ -34,6 +34,9 @@ def url_passwords(url: str) -> tuple[str, ...]:
     return tuple(sorted(found | {unquote(p) for p in found}))
 
 
+SMALL_MACHINE_CORES = 4   # up to this many, every core computes (a reserved core is a large share of them)
+
+
 class ServeConfig(BaseModel):
     """Everything `agentkv serve` needs. Each field is a `--flag` of the same name."""
 
@@ -50,6 +53,9 @@ class ServeConfig(BaseModel):
     tool_call_parser: str | None = Field("hermes", description="vLLM tool-call parser for the model ('' to disable)")
     dtype: str = Field("auto", description="weights/activation dtype (auto: float32 on CPU, model's on GPU)")
     kv_cache_gib: int = Field(1, ge=1, description="CPU only: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    engine_reserved_cores: int | None = Field(
+        None, ge=0, description="CPU only: cores kept free of vLLM's compute threads (VLLM_CPU_NUM_OF_RESERVED_CPU), "
+                                "the same whatever --kv-reuse; default: 0 on machines of up to 4 cores, else 1")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU only: fraction of GPU memory vLLM may use")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism (GPUs per replica)")
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM pipeline parallelism (Ray for multi-node)")
@@ -65,8 +71,11 @@ class ServeConfig(BaseModel):
         "tokens", description="how prompts reach vLLM: the front's token ids (tokens: vLLM skips rendering and "
                               "tokenizing the whole prompt) or the messages (vLLM renders them)")
     context_management: bool = Field(True, description="apply the default context policy to requests without one")
-    clear_at: float = Field(0.5, gt=0, le=1, description="default policy: clear tool results at this fraction of the window")
-    compact_at: float = Field(0.75, gt=0, le=1, description="default policy: summarize at this fraction of the window")
+    clear_at: float = Field(0.8, gt=0, le=1, description="default policy: clear old tool results when the prompt fills "
+                            "this fraction of the room (the window less the system prompt and tools)")
+    clear_to: float = Field(0.2, ge=0, lt=1, description="default policy: ... in one batch down to this fraction of "
+                            "the room (below --clear-at)")
+    compact_at: float = Field(0.9, gt=0, le=1, description="default policy: summarize at this fraction of the room")
     server_tools: bool = Field(False, description="offer the server-executed recall and note tools to every request")
     max_server_tool_rounds: int = Field(4, ge=1, le=16, description="bound on server tool calls per request")
     kv_reuse: KVMode = Field(
@@ -123,6 +132,22 @@ class ServeConfig(BaseModel):
             raise ValueError("the engine's key is agentkv's own per-launch secret; "
                              "clients' keys are agentkv's --api-key")
         return v
+
+    @model_validator(mode="after")
+    def _levels(self) -> ServeConfig:
+        if self.clear_to >= self.clear_at:
+            raise ValueError(f"clear_to ({self.clear_to}) must be below clear_at ({self.clear_at}): clearing "
+                             "that does not bring the prompt under its trigger fires again on the next turn")
+        return self
+
+    def cpu_env(self) -> dict[str, str]:
+        """vLLM's CPU settings, the same for every KV mode: vLLM reserves one core for its scheduler
+        and one more once a KV connector is configured, which on a 2-core machine left the default
+        server one compute core and bound a connector server's threads to both (README, "CPU engine")."""
+        reserved = self.engine_reserved_cores
+        if reserved is None:
+            reserved = 0 if (os.cpu_count() or 1) <= SMALL_MACHINE_CORES else 1
+        return {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved)}
 
     @property
     def secrets(self) -> tuple[str, ...]:

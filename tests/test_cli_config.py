@@ -58,6 +58,8 @@ def test_environment_sets_fields_and_flags_win(monkeypatch):
     (["--kv-cache-gib", "0"], "--kv-cache-gib"),
     (["--blend-strategy", "middle"], "invalid choice"),
     (["--blend-fraction", "1.5"], "--blend-fraction"),
+    (["--engine-reserved-cores", "-1"], "--engine-reserved-cores"),
+    (["--clear-at", "0.3", "--clear-to", "0.4"], "clear_to (0.4) must be below clear_at (0.3)"),
     (["--engine-arg=--api-key=mine"], "--engine-arg: Value error, the engine's key is agentkv's own"),
 ])
 def test_bad_flags_exit_2_with_a_message(args, needle, tmp_path):
@@ -77,6 +79,24 @@ def test_engine_argv_cpu_defaults():
     assert eng.env()["VLLM_CPU_KVCACHE_SPACE"] == "1"
     eng.stop()   # nothing started: its socket folder goes
     assert not os.path.exists(eng.socket_dir)
+
+
+def test_the_engine_reserves_the_same_cores_whatever_the_kv_mode(monkeypatch):
+    """vLLM reserves one core more once a KV connector is configured; agentkv sets the reservation
+    itself, so a shift server and a recompute server compute on the same cores (issue 39: on 2
+    cores the default server had one compute core and the shift server two)."""
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "5")          # the front's own environment: overridden
+    for cores, default in ((2, "0"), (4, "0"), (16, "1")):
+        monkeypatch.setattr(os, "cpu_count", lambda: cores)
+        envs = []
+        for mode in ("recompute", "shift", "blend"):
+            eng = EngineProcess(ServeConfig(kv_reuse=mode), "/m", "cpu")
+            envs.append(eng.env()["VLLM_CPU_NUM_OF_RESERVED_CPU"])
+            eng.stop()
+        assert envs == [default] * 3
+    eng = EngineProcess(ServeConfig(engine_reserved_cores=1, kv_reuse="shift"), "/m", "cpu")
+    assert eng.env()["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    eng.stop()
 
 
 def test_engine_argv_cuda_defaults():

@@ -242,7 +242,7 @@ class EngineProcess:
         if Path(self.model_path).is_dir():
             env["HF_HUB_OFFLINE"] = "1"
         if self.device == "cpu":
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.kv_cache_gib)
+            env.update(self.cfg.cpu_env())
         return env
 
     def start_process(self) -> None:
