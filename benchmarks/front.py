@@ -123,7 +123,11 @@ def _context_step(renderer, window: int):
     from ..server.pipeline.sessions import Sessions
 
     log = open_session_log(Path(tempfile.mkdtemp(prefix="agentkv-front-")) / "log.db")
-    return ContextManager(Sessions(log), renderer, None), default_policy(window), log
+    from ..server.config import ServeConfig
+
+    d = ServeConfig()
+    return ContextManager(Sessions(log), renderer, None), default_policy(window, 0, d.clear_at, d.clear_to,
+                                                                         d.compact_at), log
 
 
 def _body_path(raw: bytes) -> None:

@@ -48,7 +48,9 @@ def clear_tool_uses(messages: list[Message], renderer: PromptRenderer, cfg: Clea
     """Clear every tool result older than the newest ``cfg.keep`` tool uses, once the prompt reaches
     ``cfg.trigger`` (input tokens, or tool uses). System and user messages are never touched; a call and its result stay
     together (only contents change); a result is cleared only where the placeholder is shorter;
-    nothing is cleared unless at least ``cfg.clear_at_least`` tokens are freed."""
+    nothing is cleared unless at least ``cfg.clear_at_least`` tokens are freed. With ``cfg.clear_to``
+    (agentkv's) the newest ``keep`` are cleared too, oldest first, while the prompt is above it, all
+    but the newest tool use, which the model has not answered yet."""
     before = renderer.count(messages, tools)
     unchanged = ClearResult(messages, tokens_before=before, tokens_after=before)
     if cfg.trigger.type == "input_tokens" and not cfg.trigger.reached(before, 0):
@@ -61,9 +63,9 @@ def clear_tool_uses(messages: list[Message], renderer: PromptRenderer, cfg: Clea
     new = list(messages)
     kinds: dict[int, str] = {}
     cleared = 0
-    for use in answered:
-        if use in protected or cfg.excluded(use.name):
-            continue
+
+    def clear(use: ToolUse) -> None:
+        nonlocal cleared
         result = new[use.result_index]
         if not is_cleared(result):
             tokens = renderer.count_text(_text(result.get("content")))
@@ -77,9 +79,20 @@ def clear_tool_uses(messages: list[Message], renderer: PromptRenderer, cfg: Clea
             call_msg["tool_calls"][use.call_position]["function"]["arguments"] = "{}"
             new[use.call_index] = call_msg
             kinds.setdefault(use.call_index, "clear_tool_input")
+
+    for use in answered:
+        if use not in protected and not cfg.excluded(use.name):
+            clear(use)
+    after = renderer.count(new, tools) if kinds else before
+    if cfg.clear_to is not None:     # a batch worth its cost: the kept ones too, oldest first, down to
+        for use in protected[:-1]:   # the low-water mark (never the newest: the model has not read it)
+            if after <= cfg.clear_to:
+                break
+            if not cfg.excluded(use.name):
+                clear(use)
+                after = renderer.count(new, tools)
     if not kinds:
         return unchanged
-    after = renderer.count(new, tools)
     if before - after < max(cfg.clear_at_least, 1):
         return unchanged
     old_prompt, new_prompt = renderer.render(messages, tools), renderer.render(new, tools)

@@ -53,6 +53,9 @@ class ClearToolUses(_Edit):
                              description="input tokens (a number) or {type: input_tokens | tool_uses, value}")
     keep: int = Field(3, ge=0, description="newest tool uses never cleared")
     clear_at_least: int = Field(0, ge=0, description="clear only if this many tokens are freed")
+    clear_to: int | None = Field(None, ge=0, description="agentkv: a low-water mark in input tokens: once clearing "
+                                 "runs, the newest kept tool uses are cleared too (oldest first, never the newest) "
+                                 "while the prompt is above it, so one batch buys many turns")
     exclude_tools: list[str] | None = Field(None, description="tools never cleared")
     clear_tool_inputs: bool | list[str] = Field(
         False, description="also clear the calls' arguments: all (true) or those of the tools named")
@@ -72,6 +75,11 @@ class ClearToolUses(_Edit):
     @classmethod
     def _at_least(cls, v: Any) -> Any:
         return 0 if v is None else amount(v, "input_tokens")
+
+    @field_validator("clear_to", mode="before")
+    @classmethod
+    def _clear_to(cls, v: Any) -> Any:
+        return None if v is None else amount(v, "input_tokens")
 
     @field_validator("clear_tool_inputs", mode="before")
     @classmethod

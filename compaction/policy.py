@@ -1,9 +1,15 @@
 """A context-management policy: the ordered edits to apply, and the default for a context window.
 
-Default (first seed): clear old tool results at 50% of the window, in batches that free at least
-10% of it (clearing breaks the prefix cache, so it should not fire for little); summarize at 75%,
-keeping the newest 30% word for word and up to 5% of user messages copied into the summary; the
-note itself at most 1/8 of the window (1024 tokens).
+Default (first seed: clearing breaks the prefix cache, so it must be rare and worth its cost). The
+levels are fractions of the *room*: the window less the fixed part (system prompt and tools, which
+an agent's can make half the window), since only the rest can be cleared. Clear old tool results
+when the prompt fills ``clear_at`` of the room, in one batch down to ``clear_to`` of it
+(the newest 3 tool uses are kept unless that takes more: then all but the newest), so the session
+runs many turns before the next edit; summarize at ``compact_at`` of the room, keeping the
+newest 30% of it word for word and up to 5% of the window of user messages copied into the
+summary; the note itself at most 1/8 of the window (1024 tokens). The fractions' defaults are
+``ServeConfig``'s (``--clear-at``, ``--clear-to``, ``--compact-at``). A fixed part that leaves less
+than ``MIN_ROOM`` of the window is said once (``room_warning``) instead of thrashing.
 """
 
 from __future__ import annotations
@@ -38,12 +44,28 @@ def summary_limit(window: int) -> int:
     return max(16, min(1024, window // 8))
 
 
-def default_policy(window: int, clear_at: float = 0.5, compact_at: float = 0.75) -> ContextManagement:
+MIN_ROOM = 0.25   # a fixed part leaving less of the window than this is reported
+
+
+def default_policy(window: int, fixed: int, clear_at: float, clear_to: float, compact_at: float) -> ContextManagement:
+    """The server default for a ``window``-token model and a request whose system prompt and tools
+    are ``fixed`` tokens (levels: fractions of the room the fixed part leaves)."""
+    fixed = min(max(fixed, 0), window)
+    room = window - fixed
     return ContextManagement(edits=[
-        ClearToolUses(trigger=int(window * clear_at), keep=3, clear_at_least=int(window * 0.1)),
-        Compact(trigger=int(window * compact_at), keep_recent_tokens=int(window * 0.3),
+        ClearToolUses(trigger=fixed + int(room * clear_at), keep=3, clear_to=fixed + int(room * clear_to),
+                      clear_at_least=int(room * 0.1)),
+        Compact(trigger=fixed + int(room * compact_at), keep_recent_tokens=int(room * 0.3),
                 user_messages_tokens=int(window * 0.05), summary_max_tokens=summary_limit(window)),
     ])
+
+
+def room_warning(window: int, fixed: int) -> str | None:
+    """What to tell a client whose system prompt and tools leave little of the window to clear."""
+    if not window or window - fixed >= window * MIN_ROOM:
+        return None
+    return (f"the system prompt and tools are {fixed} of the {window}-token window: {window - fixed} tokens "
+            f"are left for the conversation, so clearing and summaries can keep only a few turns")
 
 
 def with_defaults(requested: ContextManagement | None, default: ContextManagement | None) -> ContextManagement | None:

@@ -15,7 +15,7 @@ from agentkv.compaction.groups import tool_uses
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 CONFIGS = st.builds(ClearToolUses, trigger=st.sampled_from([0, 200, 10_000]), keep=st.integers(0, 3),
-                    clear_at_least=st.sampled_from([0, 50, 5000]),
+                    clear_at_least=st.sampled_from([0, 50, 5000]), clear_to=st.sampled_from([None, None, 0, 300]),
                     exclude_tools=st.sampled_from([[], ["grep"], ["bash", "read_file"]]),
                     clear_tool_inputs=st.booleans())
 
@@ -38,6 +38,8 @@ def test_clearing_invariants(renderer, msgs, cfg):
         [(u.call_id, u.call_index, u.result_index, u.name) for u in new_uses]
     answered = [u for u in old_uses if u.result_index is not None]
     protected = answered[len(answered) - cfg.keep:] if cfg.keep else []
+    if cfg.clear_to is not None and r.edits:   # a low-water mark clears the kept ones too, all but the newest
+        protected = protected[-1:]
     for u in answered:
         if u in protected or cfg.excluded(u.name):
             assert new[u.result_index] == msgs[u.result_index]
@@ -133,7 +135,7 @@ def test_a_request_naming_no_size_edit_keeps_the_default_clearing_and_compaction
     from agentkv.compaction.config import ClearThinking, Compact
     from agentkv.compaction.policy import ContextManagement, default_policy, with_defaults
 
-    default = default_policy(8192)
+    default = default_policy(8192, 3000, 0.8, 0.2, 0.9)
     assert with_defaults(None, default) == default
     off = ContextManagement(edits=[])
     assert with_defaults(off, default) == off                           # {"edits": []}: no management

@@ -230,13 +230,44 @@ def test_session_id_is_derived_when_absent(server):
     assert r1.headers["x-session-id"] == r2.headers["x-session-id"]
 
 
-def test_default_policy_clears_at_half_the_window(server):
+def test_the_default_policy_clears_in_one_batch_that_lasts(server):
+    """Once the prompt fills 80% of the room (the window less the system prompt and tools: tiny
+    here), old tool results are cleared in one batch down to about 20% of it, the newest result
+    kept; the next turns add results without clearing again (the old default, at half the window
+    in batches of a tenth, cleared again on most turns)."""
     window = server.http().get("/v1/models").json()["data"][0]["max_model_len"]
     services = [f"svc{i}" for i in range(26)]
     msgs = diag_conversation(services)
-    r = chat(server, msgs, f"d-{uuid.uuid4().hex[:8]}")
-    cm = r.json()["context_management"]
-    assert cm["prompt_tokens_before"] >= window // 2
+    sid = f"d-{uuid.uuid4().hex[:8]}"
+    cm = chat(server, msgs, sid).json()["context_management"]
+    assert cm["prompt_tokens_before"] >= 0.78 * window
     (edit,) = cm["applied_edits"]
-    assert edit["type"] == "clear_tool_uses" and edit["cleared_tool_uses"] == len(services) - 3
-    assert edit["cleared_input_tokens"] >= window // 10
+    assert edit["type"] == "clear_tool_uses" and edit["cleared_tool_uses"] >= len(services) - 3
+    assert cm["prompt_tokens_after"] <= 0.3 * window
+    after = cm["prompt_tokens_after"]
+    for i in range(3):                   # three more tool turns: the batch bought them
+        msgs = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"more_{i}", "type": "function", "function": {"name": "bash", "arguments": "{}"}}]},
+                       {"role": "tool", "tool_call_id": f"more_{i}",
+                        "content": "\n".join(f"more {i} check {j}: ok" for j in range(60))}]
+        r = chat(server, msgs, sid)
+        assert r.status_code == 200, r.text
+        cm = r.json()["context_management"]
+        assert cm["applied_edits"] == [] and cm["prompt_tokens_after"] > after
+        after = cm["prompt_tokens_after"]
+
+
+def test_a_system_prompt_that_leaves_little_room_is_said_in_a_header(server):
+    """System prompt and tools over three quarters of the window: clearing can keep few turns, and
+    the response says so (``X-Context-Room``, and once in the log) instead of the policy thrashing
+    silently; a small one gets no header."""
+    window = server.http().get("/v1/models").json()["data"][0]["max_model_len"]
+    probe = chat(server, [{"role": "system", "content": "alpha beta " * 200}, {"role": "user", "content": "hi"}],
+                 f"p-{uuid.uuid4().hex[:8]}")
+    assert probe.status_code == 200 and "x-context-room" not in probe.headers
+    per_pair = probe.json()["usage"]["prompt_tokens"] / 200
+    big = "alpha beta " * int(0.85 * window / per_pair)
+    r = chat(server, [{"role": "system", "content": big}, {"role": "user", "content": "hi"}], f"q-{uuid.uuid4().hex[:8]}")
+    assert r.status_code == 200, r.text
+    room = r.headers["x-context-room"]
+    assert f"of the {window}-token window" in room and "tokens are left for the conversation" in room

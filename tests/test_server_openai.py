@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from agentkv.server import timing
+from agentkv.server.config import ServeConfig
 
 MODEL = "agentkv-tiny"
 WEATHER_TOOL = {"type": "function", "function": {
@@ -40,7 +41,7 @@ def test_models_answers_codex_with_its_catalog_and_the_real_window(server):
     (info,) = r.json()["models"]
     window = plain["data"][0]["max_model_len"]
     assert info["slug"] == MODEL and info["context_window"] == window and "base_instructions" not in info
-    assert info["auto_compact_token_limit"] == int(window * 0.75)
+    assert info["auto_compact_token_limit"] == int(window * ServeConfig().compact_at)   # Codex's own compaction
     for field in ("display_name", "supported_reasoning_levels", "shell_type", "visibility", "supported_in_api",
                   "priority", "supports_reasoning_summaries", "support_verbosity", "truncation_policy",
                   "supports_parallel_tool_calls", "experimental_supported_tools"):

@@ -19,7 +19,9 @@ router = APIRouter(prefix="/v1")
 
 
 def codex_model_info(model: dict, compact_at: float) -> dict:
-    """Codex's ``ModelInfo`` (codex-rs ``protocol::openai_models``) for one served model."""
+    """Codex's ``ModelInfo`` (codex-rs ``protocol::openai_models``) for one served model. Codex
+    compacts by itself at ``compact_at`` of the window (agentkv's default summarizes at that
+    fraction of the room its system prompt and tools leave, never earlier)."""
     window = model.get("max_model_len")
     return {"slug": model["id"], "display_name": model["id"], "description": "served by agentkv",
             "supported_reasoning_levels": [], "shell_type": "shell_command", "visibility": "list",

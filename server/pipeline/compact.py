@@ -12,7 +12,7 @@ from ..errors import APIError
 from . import cache_salt
 from .context import Prepared, manage
 from .sessions import SessionRef
-from .window import check_fixed_part
+from .window import fixed_part
 
 
 def explicit_policy(window: int, instructions: str | None = None) -> ContextManagement:
@@ -44,7 +44,7 @@ async def compact_now(state, ctx, owner: str, ref: SessionRef, conversation: lis
     is a 503 (``compaction_failed``): the client asked for it and gets no silent no-op. A system
     prompt and tools that fill the window alone are refused first (no summary can make them fit)."""
     window = state.supervisor.max_model_len
-    check_fixed_part(ctx.renderer_for(owner), conversation, tools, window, engine_form, param)
+    fixed_part(ctx.renderer_for(owner), conversation, tools, window, engine_form, param)
     prepared = await manage(ctx, state.cfg, window, owner, ref, conversation, tools,
                             explicit_policy(window, instructions), engine_form=engine_form,
                             salt=cache_salt.exact(owner, None, state.cfg.shared_prefix_cache))

@@ -286,12 +286,14 @@ def text_size(messages: list[Message], limit: int) -> int:
 
 async def manage(ctx: ContextManager, cfg, window: int, owner: str, ref: SessionRef,
                  conversation: list[Message], tools: list | None, requested: ContextManagement | None, *,
-                 salt: str, engine_form: EngineForm | None = None, shifting: bool = False) -> Prepared:
+                 salt: str, fixed: int = 0, engine_form: EngineForm | None = None, shifting: bool = False) -> Prepared:
     """The request path's compaction step for any API: the session, the policy (the request's edits
     with the server default's for the kinds it does not name, see ``with_defaults``), then
-    ``prepare``: small conversations on the event loop (see ``INLINE_CHARS``) when the session log
+    ``prepare``: ``fixed`` is the tokens of the system prompt and tools (the default's levels are
+    set above it); small conversations on the event loop (see ``INLINE_CHARS``) when the session log
     is free, the rest off it."""
-    default = default_policy(window, cfg.clear_at, cfg.compact_at) if cfg.context_management else None
+    default = (default_policy(window, fixed, cfg.clear_at, cfg.clear_to, cfg.compact_at)
+               if cfg.context_management else None)
     policy = with_defaults(requested, default)
     args = (owner, ref, conversation, tools, policy, window or None, engine_form)
     timing.mark("context_start")

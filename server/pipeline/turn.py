@@ -56,6 +56,7 @@ class Turn:
     _kv: tuple | None   # (cfg, fields, model_path, owner) until KV reuse has been attached
     make: Make          # each engine request made of its chat body (``engine_input``)
     lowered: str | None = None   # the output limit, lowered to the room the prompt leaves
+    room: str | None = None      # the system prompt and tools leave little of the window to manage
 
     @property
     def session_id(self) -> str:
@@ -69,6 +70,8 @@ class Turn:
         out = {"X-Session-Id": self.prepared.session_id}
         if self.lowered:
             out[window.HEADER] = self.lowered
+        if self.room:
+            out[window.ROOM_HEADER] = self.room
         return out
 
     def extra(self, server_tool_calls: list[dict]) -> dict[str, Any]:
@@ -111,11 +114,11 @@ async def prepare_turn(state, engine: EngineClient, ctx, owner: str, turn: TurnI
     sup = state.supervisor
     on = turn.fields.server_tools if turn.fields.server_tools is not None else cfg.server_tools
     tools = server_tools.with_server_tools(turn.tools) if on else turn.tools   # reserved names: 400 before logging
-    window.check_fixed_part(ctx.renderer_for(owner), turn.conversation, tools, sup.max_model_len, turn.engine_form,
-                            turn.param)
+    fixed = window.fixed_part(ctx.renderer_for(owner), turn.conversation, tools, sup.max_model_len,
+                              turn.engine_form, turn.param)
     mode = turn.fields.kv_reuse or cfg.kv_reuse
     prepared = await manage(ctx, cfg, sup.max_model_len, owner, turn.session, turn.conversation, tools,
-                            turn.policy, engine_form=turn.engine_form,
+                            turn.policy, fixed=fixed, engine_form=turn.engine_form,
                             shifting=cfg.kv_connector and mode != "recompute",
                             salt=cache_salt.exact(owner, None, cfg.shared_prefix_cache))
     body = {**turn.body, "messages": prepared.messages}
@@ -124,4 +127,5 @@ async def prepare_turn(state, engine: EngineClient, ctx, owner: str, turn: TurnI
     lowered = window.fit_output(body, prepared.report["prompt_tokens_after"], sup.max_model_len, turn.param)
     runner = ToolRunner(ctx.sessions.log, prepared.key, cfg.max_server_tool_rounds, lowered is not None) if on else None
     make = state.engine_input.for_turn(body, turn.fields.engine_input, prepared.branch)
-    return Turn(prepared, body, runner, engine, (cfg, turn.fields, sup.model_path, owner), make, lowered)
+    room = window.room_header(sup.max_model_len, fixed) if cfg.context_management else None
+    return Turn(prepared, body, runner, engine, (cfg, turn.fields, sup.model_path, owner), make, lowered, room)

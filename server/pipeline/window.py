@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from ...compaction.policy import room_warning
 from ...compaction.prompt import Message
 from ..errors import PromptTooLong
 from .context import EngineForm
@@ -18,23 +19,42 @@ from .context import EngineForm
 log = logging.getLogger("agentkv.window")
 OUTPUT_LIMITS = ("max_tokens", "max_completion_tokens")   # the engine request's names (chat completions)
 HEADER = "X-Max-Tokens-Lowered"
+ROOM_HEADER = "X-Context-Room"
 
 
-def check_fixed_part(renderer, conversation: list[Message], tools: list | None, window: int | None,
-                     engine_form: EngineForm | None, param: str) -> None:
-    """Refuse, before any work, a request whose leading system messages and tools fill the window."""
+def fixed_part(renderer, conversation: list[Message], tools: list | None, window: int | None,
+               engine_form: EngineForm | None, param: str) -> int:
+    """The tokens of the leading system messages and tools (what no edit clears: the default
+    policy's levels are set above it); a request whose fixed part fills the window is refused
+    before any work."""
     if not window:
-        return
+        return 0
     head = []
     for m in conversation:
         if m.get("role") not in ("system", "developer"):
             break
         head.append(engine_form(m) if engine_form else m)
     if not head and not tools:
-        return
+        return 0
     fixed = renderer.count(head + [{"role": "user", "content": ""}], tools)
     if fixed >= window:
         raise PromptTooLong(fixed, window, "the system prompt and tools alone", param)
+    return fixed
+
+
+def room_header(window: int | None, fixed: int) -> str | None:
+    """The ``X-Context-Room`` header's value where the fixed part leaves little of the window
+    (logged once per distinct size)."""
+    warning = room_warning(window or 0, fixed)
+    if warning and (window, fixed) not in _warned:
+        if len(_warned) >= 1024:
+            _warned.clear()
+        _warned.add((window, fixed))
+        log.warning("%s", warning)
+    return warning
+
+
+_warned: set[tuple[int | None, int]] = set()
 
 
 def fit_output(body: dict, prompt_tokens: int, window: int | None, param: str) -> str | None:
