@@ -38,6 +38,10 @@ def params_of(kv_transfer_params: dict | None) -> Params | None:
         return None
 
 
+# fallbacks where the session's held prompt is there to read the shared prefix from
+PREFIX_FALLBACKS = frozenset({"held_mismatch", "prompt_changed", "too_short"})
+
+
 def _spans(p: Params) -> tuple[Span, ...]:
     return tuple(Span(*s) for s in p.spans)
 
@@ -90,6 +94,8 @@ class ReuseScheduler:
             return 0
         self.claims.pop(request.request_id, None)
         claim, why = self._plan(request, p, num_computed, need)
+        if claim is None and why in PREFIX_FALLBACKS:
+            claim = self._prefix(request, p, num_computed, need)
         self.outcomes[request.request_id] = Outcome(claim.end - claim.start if claim else 0, why)
         if claim is None:
             return 0
@@ -134,6 +140,22 @@ class ReuseScheduler:
         return Claim(request.request_id, p.session,
                      [e if any(r.source == i for r in runs) else None for i, e in enumerate(entries)],
                      runs, start, end), None
+
+    def _prefix(self, request: Request, p: Params, start: int, need: int) -> Claim | None:
+        """An edit that fell back still reads what recompute would have read: the tokens its prompt
+        shares with the held prompt from the start, at the same positions (no rotation; the K/V of
+        a position depend on the tokens up to it only), which vLLM's cache under the branch's
+        approximate salt may not hold yet (its first moved edit)."""
+        prompt = self.held.get(p.session, PROMPT)
+        if prompt is None or (not prompt.pinned and self.held.pool.get_num_free_blocks() - len(prompt.blocks) < need):
+            return None
+        ids = request.prompt_token_ids or []
+        limit = len(ids) - 1 if p.limit is None else min(p.limit, len(ids) - 1)
+        cov = cover(ids, [prompt.token_ids, None], (), start, limit)
+        end = cov.end // self.block_size * self.block_size
+        if end <= start:
+            return None
+        return Claim(request.request_id, p.session, [prompt, None], clip(cov.runs, end), start, end)
 
     def allocated(self, request: Request, num_external: int) -> None:
         """vLLM allocated blocks for ``num_external`` claimed tokens (it may take fewer, or none)."""
