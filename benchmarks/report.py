@@ -207,6 +207,21 @@ def _front(r: dict) -> str:
     return out
 
 
+def _sessions(r: dict) -> str:
+    cols = ["session", "arm", "turns answered", "first failed turn", "tokens computed", "x floor", "turns with an edit",
+            "largest prompt", "latency p50 s", "latency p99 s", "KV reused tokens", "KV fallbacks"]
+    rows = []
+    for name, sess in r["sessions"].items():
+        for arm, a in sess["summary"].items():
+            rows.append([name, arm, f"{a['answered']}/{a['turns']}", "" if a["failed_from_turn"] is None
+                         else a["failed_from_turn"], a["computed"], "" if a["ratio"] is None else f"{a['ratio']:.2f}",
+                         len(a["edit_turns"]), a["max_prompt"], a["latency_p50_s"], a["latency_p99_s"],
+                         a["kv_reused_tokens"], ", ".join(a["kv_fallbacks"])])
+    head = (f"{r['model']}, window {r['window']} tokens, {r['concurrent']} cop{'y' if r['concurrent'] == 1 else 'ies'}"
+            f" of each session at once\n\n")
+    return head + table(cols, rows)
+
+
 def _gpu_check(r: dict) -> str:
     cases = table(["case", "dtype", "blocks", "max error vs torch", "max error vs loop", "atol / rtol",
                    "slots written", "pass"],
@@ -241,7 +256,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "load-blend": _load, "connector-cost": _connector_cost, "front": _front, "front-prompt": _front,
     "fidelity": _fidelity,
     "gpu_check": _gpu_check, "gpu-prefill": _gpu_prefill, "replicas": _replicas,
-    "engine-input": _engine_input,
+    "engine-input": _engine_input, "sessions": _sessions, "sessions-x8": _sessions,
 }
 
 
@@ -285,7 +300,26 @@ def headlines(results: Path = RESULTS) -> str:
                      f"agentkv's front {mine['per_request_ms']:.0f} ms (tokenizes what is new)",
                      f"vLLM's chat render of the same request {vllm['per_request_ms']:.0f} ms (tokenizes it all)",
                      _where(prompt, "front-prompt")])
+    sessions = results / "sessions.json"
+    if sessions.exists():
+        r = _load_result(results, "sessions")
+        for name, sess in r["sessions"].items():
+            a = sess["summary"]
+            if not {"vllm", "recompute", "shift"} <= set(a):
+                continue
+            v = a["vllm"]
+            rows.append([f"a real {name} session, {v['turns']} requests, replayed at a {r['window']:,}-token window",
+                         f"agentkv answers {a['recompute']['answered']}/{a['recompute']['turns']}: "
+                         f"{_times(a['recompute']['ratio'])} the floor's tokens computed (recompute), "
+                         f"{_times(a['shift']['ratio'])} (shift)",
+                         f"vLLM reached directly answers {v['answered']}/{v['turns']}"
+                         + (f" (prompt over the window from turn {v['failed_from_turn']})" if v["failed_from_turn"]
+                            is not None else ""), _where(r, "sessions")])
     return table(["what", "measured", "against", "file, date, machine"], rows)
+
+
+def _times(ratio) -> str:
+    return "?" if ratio is None else f"{ratio:.2f}x"
 
 
 

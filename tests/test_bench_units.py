@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import pytest
@@ -107,3 +108,27 @@ def test_a_server_that_is_not_ready_in_time_is_stopped_with_all_it_started():
     while left() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert left() == []
+
+
+def test_sessions_copies_are_sessions_of_their_own_and_usage_reads_both_apis():
+    from agentkv.benchmarks.session_record import DATA, load
+    from agentkv.benchmarks.sessions import copy_of, summary, usage_of
+
+    for name in ("claude-code-2.1.332", "codex-0.171.0"):
+        req = load(DATA / f"{name}.json.xz")["requests"][3]
+        a, b = copy_of(req, 0, "m", "run1"), copy_of(req, 1, "m", "run1")
+        assert a[0] == b[0] and a[0] in ("/v1/messages", "/v1/responses")
+        assert a[2]["model"] == "m" and a[2]["stream"] is False
+        assert json.dumps(a[2]) != json.dumps(b[2])                # a distinct first line: no shared cache
+        assert (a[1], a[2].get("prompt_cache_key")) != (b[1], b[2].get("prompt_cache_key"))   # its own session
+        assert copy_of(req, 0, "m", "run1") == a and req["body"]["model"] != "m"     # the recording untouched
+    assert usage_of({"usage": {"input_tokens": 10, "cache_read_input_tokens": 90, "output_tokens": 1}}) == (100, 90)
+    assert usage_of({"usage": {"input_tokens": 100, "input_tokens_details": {"cached_tokens": 64},
+                               "output_tokens": 1}}) == (100, 64)
+    ok = [{"session": 0, "turn": t, "status": 200, "latency_s": 1.0, "prompt_tokens": 100 + t, "computed": 10,
+           "edits": ["clear_tool_uses"] if t == 2 else []} for t in range(4)]
+    floor = [dict(r, computed=8) for r in ok]
+    s = summary(ok, floor)
+    assert s["ratio"] == 1.25 and s["edit_turns"] == [2] and s["max_prompt"] == 103 and s["failed_from_turn"] is None
+    failed = ok[:2] + [{"session": 0, "turn": 2, "status": 400, "latency_s": 0.1}]
+    assert summary(failed, floor)["failed_from_turn"] == 2 and summary(failed, floor)["ratio"] is None

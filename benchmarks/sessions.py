@@ -1,0 +1,271 @@
+"""Real agent sessions replayed: what each turn costs through agentkv (recompute, shift) and through
+vLLM reached directly, against the floor.
+
+A session is a real client's recorded requests (``benchmarks/data/sessions``: Claude Code and Codex
+doing real work in a source tree, see ``session_record``), sent again turn by turn, as recorded, to
+each arm: ``vllm`` (vLLM's own API server, same model and window, no agentkv), ``recompute`` and
+``shift`` (agentkv with its default policy and that KV mode), and ``floor`` (agentkv on a window the
+session never fills, context management off: the prefix cache serves everything but the new
+content, which is all a session must cost). Per turn: status, latency (one output token, so
+about the TTFT), prompt tokens, tokens computed (prompt less the engine's cached tokens), and the
+edits that fired; per arm: turns answered, tokens computed and their ratio to the floor, latency
+p50/p99, the largest prompt held. ``--concurrent N`` replays N copies at once (each its own
+session: its own id and a distinct first line, so copies share no cache), ``--think-s`` apart.
+Every server it starts is stopped on every way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .harness import Endpoint, machine, machine_line, print_table, pyplot, wait_ready, write_results
+from .session_record import DATA, load
+
+ARMS = ("vllm", "recompute", "shift", "floor")
+FLOOR_WINDOW = 262_144
+
+
+def copy_of(request: dict, k: int, model: str, run: str) -> tuple[str, dict, dict]:
+    """The request as copy ``k`` of its session sends it in ``run``: its own session id and a
+    distinct first line (copies share no cache), the served model, one output token, not streamed."""
+    body = copy.deepcopy(request["body"])
+    headers = {h: v for h, v in request["headers"].items() if h.lower() != "x-claude-code-session-id"}
+    tag = f"[session {k}] "
+    body["model"], body["stream"] = model, False
+    if "messages" in body:        # Anthropic Messages (Claude Code)
+        body["max_tokens"] = 1
+        body.pop("thinking", None)
+        system = body.get("system")
+        if isinstance(system, list) and system and system[0].get("type") == "text":
+            system[0] = {**system[0], "text": tag + system[0]["text"]}
+        elif isinstance(system, str):
+            body["system"] = tag + system
+        sid = (request["headers"].get("x-claude-code-session-id") or "s") + f"-{run}-{k}"
+        headers["x-claude-code-session-id"] = sid
+    else:                          # Responses (Codex)
+        body["max_output_tokens"] = 16   # the Responses API's smallest
+        first = body["input"][0]
+        part = first["content"][0]
+        first["content"][0] = {**part, "text": tag + part["text"]}
+        body["prompt_cache_key"] = f"{body.get('prompt_cache_key') or 's'}-{run}-{k}"
+        body["store"] = False
+    return request["path"].split("?")[0], headers, body
+
+
+def usage_of(payload: dict) -> tuple[int, int]:
+    """(prompt tokens, of which cached) from a Messages or Responses answer."""
+    u = payload.get("usage") or {}
+    if "input_tokens_details" in u or "output_tokens_details" in u:     # Responses
+        return u.get("input_tokens") or 0, (u.get("input_tokens_details") or {}).get("cached_tokens") or 0
+    cached = u.get("cache_read_input_tokens") or 0
+    return (u.get("input_tokens") or 0) + cached + (u.get("cache_creation_input_tokens") or 0), cached
+
+
+def replay(url: str, api_key: str | None, requests: list[dict], k: int, model: str, think_s: float,
+           seed: int) -> list[dict]:
+    """Copy ``k`` of a session sent turn by turn (a session id of its own in each call)."""
+    import uuid
+
+    import httpx
+
+    rng = random.Random(seed * 1000 + k)
+    run = uuid.uuid4().hex[:8]
+    rows = []
+    auth = {"Authorization": f"Bearer {api_key}", "x-api-key": api_key} if api_key else {}
+    with httpx.Client(base_url=url, timeout=1800, headers=auth) as http:
+        for t, req in enumerate(requests):
+            path, headers, body = copy_of(req, k, model, run)
+            t0 = time.perf_counter()
+            r = http.post(path, json=body, headers=headers)
+            latency = time.perf_counter() - t0
+            row = {"session": k, "turn": t, "status": r.status_code, "latency_s": round(latency, 4)}
+            try:
+                payload = r.json()
+            except ValueError:
+                payload = {}
+            if r.status_code == 200:
+                prompt, cached = usage_of(payload)
+                cm = payload.get("context_management") or {}
+                row.update(prompt_tokens=prompt, cached_tokens=cached, computed=prompt - cached,
+                           edits=[e["type"] for e in cm.get("applied_edits") or []],
+                           kv=[e["kv"] for e in cm.get("applied_edits") or [] if e.get("kv")])
+            else:
+                row["error"] = json.dumps(payload)[:300] if payload else r.text[:300]
+            rows.append(row)
+            if think_s and t + 1 < len(requests):
+                time.sleep(rng.uniform(0.5, 1.5) * think_s)
+    return rows
+
+
+class VllmDirect:
+    """vLLM's own API server on a TCP port, with the arguments agentkv starts it with."""
+
+    def __init__(self, path: str, model: str, window: int):
+        self.path, self.model, self.window, self.proc, self.url = path, model, window, None, None
+
+    def __enter__(self) -> "VllmDirect":
+        import os
+
+        from ..server.config import ServeConfig
+        from ..server.engine.process import dies_with_parent, engine_args, free_port
+        from ..server.engine.supervisor import resolve_model_path
+
+        cfg = ServeConfig(model=self.path, served_model_name=self.model, max_model_len=self.window)
+        argv = engine_args(cfg, resolve_model_path(cfg), "cpu", "unused")
+        i = argv.index("--uds")
+        port = free_port()
+        argv[i:i + 2] = ["--host", "127.0.0.1", "--port", str(port)]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1",
+               "VLLM_NO_USAGE_STATS": "1", **cfg.cpu_env()}
+        log_path = Path(tempfile.mkstemp(prefix="agentkv-vllm-", suffix=".log")[1])
+        with log_path.open("wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *argv],
+                                         env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=dies_with_parent())
+        self.url = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(self.proc, f"{self.url}/health", 900, "vLLM", log_path)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from ..server.engine.process import stop_group
+
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            stop_group(proc, grace_s=60)
+
+
+def wide_model(layers: int) -> tuple[str, str]:
+    """(path, served name) of a random test model of ``layers`` layers whose positions reach the
+    floor arm's window."""
+    from ..server.embedded_model import TinyModelSpec, build_model
+    from ..server.embedded_model.catalog import models_dir
+
+    name = f"agentkv-tiny-{layers}l-wide"
+    return str(build_model(models_dir() / name, TinyModelSpec(layers=layers, max_position_embeddings=FLOOR_WINDOW))), name
+
+
+def run_arm(arm: str, sessions: dict[str, list], path: str, model: str, window: int, concurrent: int,
+            think_s: float, seed: int) -> dict[str, list[dict]]:
+    """Each session replayed on one server of ``arm`` (N copies at once)."""
+    serve = ("--model", path, "--served-model-name", model,
+             "--max-model-len", str(FLOOR_WINDOW if arm == "floor" else window))
+    serve += {"shift": ("--kv-reuse", "shift"), "floor": ("--no-context-management",)}.get(arm, ())
+    # each arm its own session log: a session's view (what was cleared) must not carry over
+    serve += ("--session-db", str(Path(tempfile.mkdtemp(prefix="agentkv-sessions-")) / "sessions.db"))
+    ctx = VllmDirect(path, model, window) if arm == "vllm" else Endpoint(serve_args=serve)
+    out = {}
+    with ctx as ep:
+        for name, requests in sessions.items():
+            with ThreadPoolExecutor(concurrent) as pool:
+                runs = pool.map(lambda k: replay(ep.url, getattr(ep, "api_key", None), requests, k, model,
+                                                 think_s if concurrent > 1 else 0, seed), range(concurrent))
+                out[name] = [row for rows in runs for row in rows]
+    return out
+
+
+def summary(rows: list[dict], floor_rows: list[dict] | None) -> dict:
+    ok = [r for r in rows if r["status"] == 200]
+    computed = sum(r["computed"] for r in ok)
+    floor = sum(r["computed"] for r in floor_rows if r["status"] == 200) if floor_rows else None
+    lat = sorted(r["latency_s"] for r in ok)
+    kv = [k for r in ok for k in r.get("kv") or []]
+    return {"turns": len(rows), "answered": len(ok), "failed_from_turn": min((r["turn"] for r in rows
+                                                                              if r["status"] != 200), default=None),
+            "computed": computed, "floor": floor,
+            "ratio": round(computed / floor, 3) if floor and len(ok) == len(rows) else None,
+            "edit_turns": sorted({r["turn"] for r in ok if r.get("edits")}),
+            "max_prompt": max((r["prompt_tokens"] for r in ok), default=0),
+            "latency_p50_s": round(statistics.median(lat), 3) if lat else None,
+            "latency_p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
+            "kv_reused_tokens": sum(k.get("reused_tokens", 0) for k in kv),
+            "kv_fallbacks": sorted({k["fallback"] for k in kv if k.get("fallback")})}
+
+
+def plot(result: dict, title: str):
+    plt = pyplot()
+    names = list(result["sessions"])
+    fig, axes = plt.subplots(1, len(names), figsize=(6.5 * len(names), 4.2), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for arm, rows in result["sessions"][name]["rows"].items():
+            first = [r for r in rows if r["session"] == 0]
+            ax.plot([r["turn"] for r in first], [r.get("computed", 0) if r["status"] == 200 else 0 for r in first],
+                    marker="o", ms=3, label=f"{arm} ({result['sessions'][name]['summary'][arm]['answered']}/"
+                                             f"{result['sessions'][name]['summary'][arm]['turns']} answered)")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("turn")
+        ax.set_ylabel("tokens computed (0: failed)")
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="agentkv bench sessions", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sessions", nargs="+", type=Path, default=sorted(DATA.glob("*.json.xz")),
+                    help="recorded sessions (default: every one in benchmarks/data/sessions)")
+    ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    ap.add_argument("--layers", type=int, default=4, help="layers of the random test model served (its "
+                    "positions reach 262,144 tokens)")
+    ap.add_argument("--window", type=int, default=65536, help="context window of the vllm/recompute/shift arms")
+    ap.add_argument("--concurrent", type=int, default=1, help="copies of each session replayed at once")
+    ap.add_argument("--think-s", type=float, default=1.0, help="mean pause between a copy's turns (concurrent)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--record", choices=("claude-code", "codex"), help="record a session instead (see --tree)")
+    ap.add_argument("--tree", type=Path, help="--record: the source tree the client works in")
+    ap.add_argument("--out", type=Path, default=None, help="results folder (default: benchmarks/results)")
+    args = ap.parse_args(argv)
+    if args.record:
+        from .session_record import record
+
+        if not args.tree or not args.tree.is_dir():
+            ap.error("--record needs --tree DIR, a source tree for the client to work in")
+        print(f"wrote {record(args.record, args.tree, Path(tempfile.mkdtemp(prefix='agentkv-record-')))}")
+        return {}
+    if args.concurrent < 1 or not 1024 <= args.window <= FLOOR_WINDOW or not 1 <= args.layers <= 32:
+        ap.error(f"--concurrent must be >= 1, --window 1024..{FLOOR_WINDOW}, --layers 1..32")
+    path, model = wide_model(args.layers)
+    sessions = {p.name.removesuffix(".json.xz"): load(p)["requests"] for p in args.sessions}
+    arms = [a for a in ARMS if a in args.arms]
+    rows = {a: run_arm(a, sessions, path, model, args.window, args.concurrent, args.think_s, args.seed) for a in arms}
+    m = machine()
+    result = {"machine": m, "model": model, "window": args.window, "concurrent": args.concurrent,
+              "think_s": args.think_s if args.concurrent > 1 else 0, "sessions": {}}
+    table = []
+    for name in sessions:
+        floor_rows = rows["floor"][name] if "floor" in rows else None
+        summ = {a: summary(rows[a][name], floor_rows) for a in arms}
+        result["sessions"][name] = {"summary": summ, "rows": {a: rows[a][name] for a in arms}}
+        for a in arms:
+            s = summ[a]
+            table.append([name, a, f"{s['answered']}/{s['turns']}", s["computed"], s["floor"] or "",
+                          s["ratio"] or "", len(s["edit_turns"]), s["max_prompt"], s["latency_p50_s"] or "",
+                          s["latency_p99_s"] or "", s["kv_reused_tokens"], ",".join(s["kv_fallbacks"])])
+    suffix = f"-x{args.concurrent}" if args.concurrent > 1 else ""
+    title = f"sessions{suffix}: {model}, window {args.window}, {args.concurrent} at once\n{machine_line(m)}"
+    jpath, ppath = write_results(f"sessions{suffix}", result, plot(result, title), args.out or DEFAULT_OUT)
+    print_table(f"agent sessions replayed ({model}, window {args.window}, {args.concurrent} at once)",
+                ["session", "arm", "answered", "computed", "floor", "x floor", "edits", "max prompt", "p50 s",
+                 "p99 s", "KV reused", "fallbacks"], table, machine_line(m))
+    print(f"wrote {jpath} and {ppath}")
+    return result
+
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+if __name__ == "__main__":
+    main()
