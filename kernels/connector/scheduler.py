@@ -123,13 +123,26 @@ class ReuseScheduler:
         if p.held is None or p.held != prompt.identity:   # before anything is read from it
             return None, "held_mismatch"
         prime = self.held.get(p.session, PRIME) if any(n for _, _, n in p.spans) else None
-        entries = [prompt, prime]
+        return self._claim(request, p, [prompt, prime], _spans(p), start, need)
+
+    def _prefix(self, request: Request, p: Params, start: int, need: int) -> Claim | None:
+        """An edit that fell back still reads what recompute would have read: the tokens its prompt
+        shares with the held prompt from the start, at the same positions (no rotation; the K/V of
+        a position depend on the tokens up to it only), which vLLM's cache under the branch's
+        approximate salt may not hold yet (its first moved edit)."""
+        prompt = self.held.get(p.session, PROMPT)
+        return None if prompt is None else self._claim(request, p, [prompt, None], (), start, need)[0]
+
+    def _claim(self, request: Request, p: Params, entries: list[HeldEntry | None], spans: tuple[Span, ...],
+               start: int, need: int) -> tuple[Claim | None, str | None]:
+        """What ``entries`` (by source index) supply of the request from ``start`` under ``spans``:
+        the claim, or why there is none."""
         repin = sum(len(e.blocks) for e in entries if e is not None and not e.pinned)
         if repin and self.held.pool.get_num_free_blocks() - repin < need:
             return None, "evicted"                   # memory pressure: its blocks are needed
         ids = request.prompt_token_ids or []
         limit = len(ids) - 1 if p.limit is None else min(p.limit, len(ids) - 1)
-        cov = cover(ids, [None if e is None else e.token_ids for e in entries], _spans(p), start, limit)
+        cov = cover(ids, [None if e is None else e.token_ids for e in entries], spans, start, limit)
         end = cov.end // self.block_size * self.block_size
         if end <= start:
             if cov.stop == "missing":
@@ -140,22 +153,6 @@ class ReuseScheduler:
         return Claim(request.request_id, p.session,
                      [e if any(r.source == i for r in runs) else None for i, e in enumerate(entries)],
                      runs, start, end), None
-
-    def _prefix(self, request: Request, p: Params, start: int, need: int) -> Claim | None:
-        """An edit that fell back still reads what recompute would have read: the tokens its prompt
-        shares with the held prompt from the start, at the same positions (no rotation; the K/V of
-        a position depend on the tokens up to it only), which vLLM's cache under the branch's
-        approximate salt may not hold yet (its first moved edit)."""
-        prompt = self.held.get(p.session, PROMPT)
-        if prompt is None or (not prompt.pinned and self.held.pool.get_num_free_blocks() - len(prompt.blocks) < need):
-            return None
-        ids = request.prompt_token_ids or []
-        limit = len(ids) - 1 if p.limit is None else min(p.limit, len(ids) - 1)
-        cov = cover(ids, [prompt.token_ids, None], (), start, limit)
-        end = cov.end // self.block_size * self.block_size
-        if end <= start:
-            return None
-        return Claim(request.request_id, p.session, [prompt, None], clip(cov.runs, end), start, end)
 
     def allocated(self, request: Request, num_external: int) -> None:
         """vLLM allocated blocks for ``num_external`` claimed tokens (it may take fewer, or none)."""
