@@ -158,15 +158,19 @@ def wide_model(layers: int) -> tuple[str, str]:
     return str(build_model(models_dir() / name, TinyModelSpec(layers=layers, max_position_embeddings=FLOOR_WINDOW))), name
 
 
-def run_arm(arm: str, sessions: dict[str, list], path: str, model: str, window: int, concurrent: int,
-            think_s: float, seed: int) -> dict[str, list[dict]]:
-    """Each session replayed on one server of ``arm`` (N copies at once)."""
+def agentkv_args(arm: str, path: str, model: str, window: int) -> tuple[str, ...]:
     serve = ("--model", path, "--served-model-name", model,
              "--max-model-len", str(FLOOR_WINDOW if arm == "floor" else window))
     serve += {"shift": ("--kv-reuse", "shift"), "floor": ("--no-context-management",)}.get(arm, ())
     # each arm its own session log: a session's view (what was cleared) must not carry over
-    serve += ("--session-db", str(Path(tempfile.mkdtemp(prefix="agentkv-sessions-")) / "sessions.db"))
-    ctx = VllmDirect(path, model, window) if arm == "vllm" else Endpoint(serve_args=serve)
+    return serve + ("--session-db", str(Path(tempfile.mkdtemp(prefix="agentkv-sessions-")) / "sessions.db"))
+
+
+def run_arm(arm: str, sessions: dict[str, list], path: str, model: str, window: int, concurrent: int,
+            think_s: float, seed: int) -> dict[str, list[dict]]:
+    """Each session replayed on one server of ``arm`` (N copies at once)."""
+    ctx = VllmDirect(path, model, window) if arm == "vllm" else Endpoint(serve_args=agentkv_args(arm, path, model,
+                                                                                                 window))
     out = {}
     with ctx as ep:
         for name, requests in sessions.items():
