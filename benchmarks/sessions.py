@@ -9,8 +9,10 @@ session never fills, context management off: the prefix cache serves everything 
 content, which is all a session must cost). Per turn: status, latency (one output token, so
 about the TTFT), prompt tokens, tokens computed (prompt less the engine's cached tokens), and the
 edits that fired; per arm: turns answered, tokens computed and their ratio to the floor, latency
-p50/p99, the largest prompt held. ``--concurrent N`` replays N copies at once (each its own
-session: its own id and a distinct first line, so copies share no cache), ``--think-s`` apart.
+p50/p99, the largest prompt held. ``--traces N`` replays N public Claude Code traces instead
+(``traces``: kv-cache-tester's, given text). ``--copies K`` replays each session K times (each copy
+its own session: its own id and a distinct first line, so copies share no cache) and
+``--concurrent N`` runs N sessions at once, ``--think-s`` apart.
 Every server it starts is stopped on every way out.
 """
 
@@ -166,18 +168,18 @@ def agentkv_args(arm: str, path: str, model: str, window: int) -> tuple[str, ...
     return serve + ("--session-db", str(Path(tempfile.mkdtemp(prefix="agentkv-sessions-")) / "sessions.db"))
 
 
-def run_arm(arm: str, sessions: dict[str, list], path: str, model: str, window: int, concurrent: int,
+def run_arm(arm: str, sessions: dict[str, list], path: str, model: str, window: int, copies: int, concurrent: int,
             think_s: float, seed: int) -> dict[str, list[dict]]:
-    """Each session replayed on one server of ``arm`` (N copies at once)."""
+    """Each session replayed ``copies`` times on one server of ``arm``, ``concurrent`` at once."""
     ctx = VllmDirect(path, model, window) if arm == "vllm" else Endpoint(serve_args=agentkv_args(arm, path, model,
                                                                                                  window))
-    out = {}
-    with ctx as ep:
-        for name, requests in sessions.items():
-            with ThreadPoolExecutor(concurrent) as pool:
-                runs = pool.map(lambda k: replay(ep.url, getattr(ep, "api_key", None), requests, k, model,
-                                                 think_s if concurrent > 1 else 0, seed), range(concurrent))
-                out[name] = [row for rows in runs for row in rows]
+    jobs = [(name, k) for name in sessions for k in range(copies)]
+    out: dict[str, list[dict]] = {name: [] for name in sessions}
+    with ctx as ep, ThreadPoolExecutor(concurrent) as pool:
+        runs = pool.map(lambda job: replay(ep.url, getattr(ep, "api_key", None), sessions[job[0]], job[1], model,
+                                           think_s if concurrent > 1 else 0, seed), jobs)
+        for (name, _), rows in zip(jobs, runs):
+            out[name].extend(rows)
     return out
 
 
@@ -199,9 +201,49 @@ def summary(rows: list[dict], floor_rows: list[dict] | None) -> dict:
             "kv_fallbacks": sorted({k["fallback"] for k in kv if k.get("fallback")})}
 
 
+def overall(summaries: dict[str, dict], rows: list[dict]) -> dict:
+    """One arm over many sessions: turns answered, tokens computed against the floor (sessions
+    answered whole), the worst session's ratio, latency over every turn."""
+    whole = [s for s in summaries.values() if s["ratio"] is not None]
+    computed, floor = sum(s["computed"] for s in whole), sum(s["floor"] for s in whole)
+    lat = sorted(r["latency_s"] for r in rows if r["status"] == 200)
+    return {"sessions": len(summaries), "sessions_whole": len(whole),
+            "turns": sum(s["turns"] for s in summaries.values()),
+            "answered": sum(s["answered"] for s in summaries.values()),
+            "computed": computed, "floor": floor, "ratio": round(computed / floor, 3) if floor else None,
+            "worst_ratio": max((s["ratio"] for s in whole), default=None),
+            "edits": sum(len(s["edit_turns"]) for s in summaries.values()),
+            "max_prompt": max(s["max_prompt"] for s in summaries.values()),
+            "latency_p50_s": round(statistics.median(lat), 3) if lat else None,
+            "latency_p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
+            "kv_reused_tokens": sum(s["kv_reused_tokens"] for s in summaries.values()),
+            "kv_fallbacks": sorted({f for s in summaries.values() for f in s["kv_fallbacks"]})}
+
+
 def plot(result: dict, title: str):
     plt = pyplot()
     names = list(result["sessions"])
+    if len(names) > 4:          # many conversations: their ratios, and every turn's latency
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.2))
+        arms = [a for a in result["overall"] if a not in ("vllm", "floor")]
+        for n, arm in enumerate(arms):
+            a1.bar([i + 0.8 * n / len(arms) for i in range(len(names))],
+                   [result["sessions"][s]["summary"][arm]["ratio"] or 0 for s in names], width=0.8 / len(arms),
+                   label=arm)
+        a1.axhline(1.0, color="gray", lw=0.8)
+        a1.set_xticks(range(len(names)), [s.removeprefix("trace_") for s in names], rotation=90, fontsize=6)
+        a1.set_ylabel("tokens computed / floor")
+        a1.legend(fontsize=7)
+        for arm in result["overall"]:
+            lat = sorted(r["latency_s"] for s in names for r in result["sessions"][s]["rows"][arm] if r["status"] == 200)
+            a2.plot(lat, [(i + 1) / len(lat) for i in range(len(lat))], label=f"{arm} (p99 "
+                    f"{result['overall'][arm]['latency_p99_s']} s)")
+        a2.set_xscale("log")
+        a2.set_xlabel("latency of a turn, one output token (s)")
+        a2.set_ylabel("fraction of turns answered")
+        a2.legend(fontsize=7)
+        fig.suptitle(title, fontsize=9)
+        return fig
     fig, axes = plt.subplots(1, len(names), figsize=(6.5 * len(names), 4.2), squeeze=False)
     for ax, name in zip(axes[0], names):
         for arm, rows in result["sessions"][name]["rows"].items():
@@ -222,12 +264,18 @@ def main(argv: list[str] | None = None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", nargs="+", type=Path, default=sorted(DATA.glob("*.json.xz")),
                     help="recorded sessions (default: every one in benchmarks/data/sessions)")
+    ap.add_argument("--traces", type=int, default=0, metavar="N",
+                    help="replay the first N public Claude Code traces (benchmarks/data/traces) instead")
+    ap.add_argument("--trace-words", type=int, default=16,
+                    help="--traces: words (about tokens) per 64-token block of a trace (16: a quarter scale)")
     ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     ap.add_argument("--layers", type=int, default=4, help="layers of the random test model served (its "
                     "positions reach 262,144 tokens)")
     ap.add_argument("--window", type=int, default=65536, help="context window of the vllm/recompute/shift arms")
-    ap.add_argument("--concurrent", type=int, default=1, help="copies of each session replayed at once")
-    ap.add_argument("--think-s", type=float, default=1.0, help="mean pause between a copy's turns (concurrent)")
+    ap.add_argument("--copies", type=int, default=1, help="times each session is replayed (each copy its own "
+                    "session, sharing no cache with the others)")
+    ap.add_argument("--concurrent", type=int, default=1, help="sessions (and copies) replayed at once")
+    ap.add_argument("--think-s", type=float, default=1.0, help="mean pause between a session's turns (concurrent)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--record", choices=("claude-code", "codex"), help="record a session instead (see --tree)")
     ap.add_argument("--tree", type=Path, help="--record: the source tree the client works in")
@@ -240,31 +288,45 @@ def main(argv: list[str] | None = None) -> dict:
             ap.error("--record needs --tree DIR, a source tree for the client to work in")
         print(f"wrote {record(args.record, args.tree, Path(tempfile.mkdtemp(prefix='agentkv-record-')))}")
         return {}
-    if args.concurrent < 1 or not 1024 <= args.window <= FLOOR_WINDOW or not 1 <= args.layers <= 32:
-        ap.error(f"--concurrent must be >= 1, --window 1024..{FLOOR_WINDOW}, --layers 1..32")
+    if (args.concurrent < 1 or args.copies < 1 or args.traces < 0 or not 1 <= args.trace_words <= 64
+            or not 1024 <= args.window <= FLOOR_WINDOW or not 1 <= args.layers <= 32):
+        ap.error(f"--concurrent and --copies must be >= 1, --traces >= 0, --trace-words 1..64, "
+                 f"--window 1024..{FLOOR_WINDOW}, --layers 1..32")
     path, model = wide_model(args.layers)
-    sessions = {p.name.removesuffix(".json.xz"): load(p)["requests"] for p in args.sessions}
+    if args.traces:
+        from .traces import conversation, load as load_traces
+
+        sessions = {t["id"]: conversation(t, args.trace_words) for t in load_traces()[:args.traces]}
+    else:
+        sessions = {p.name.removesuffix(".json.xz"): load(p)["requests"] for p in args.sessions}
     arms = [a for a in ARMS if a in args.arms]
-    rows = {a: run_arm(a, sessions, path, model, args.window, args.concurrent, args.think_s, args.seed) for a in arms}
+    rows = {a: run_arm(a, sessions, path, model, args.window, args.copies, args.concurrent, args.think_s, args.seed)
+            for a in arms}
     m = machine()
-    result = {"machine": m, "model": model, "window": args.window, "concurrent": args.concurrent,
-              "think_s": args.think_s if args.concurrent > 1 else 0, "sessions": {}}
+    result = {"machine": m, "model": model, "window": args.window, "copies": args.copies,
+              "concurrent": args.concurrent, "think_s": args.think_s if args.concurrent > 1 else 0,
+              "workload": (f"{len(sessions)} kv-cache-tester traces, {args.trace_words} words per 64-token block"
+                           if args.traces else "recorded client sessions"), "sessions": {}, "overall": {}}
     table = []
     for name in sessions:
         floor_rows = rows["floor"][name] if "floor" in rows else None
         summ = {a: summary(rows[a][name], floor_rows) for a in arms}
         result["sessions"][name] = {"summary": summ, "rows": {a: rows[a][name] for a in arms}}
-        for a in arms:
-            s = summ[a]
-            table.append([name, a, f"{s['answered']}/{s['turns']}", s["computed"], s["floor"] or "",
-                          s["ratio"] or "", len(s["edit_turns"]), s["max_prompt"], s["latency_p50_s"] or "",
-                          s["latency_p99_s"] or "", s["kv_reused_tokens"], ",".join(s["kv_fallbacks"])])
-    suffix = f"-x{args.concurrent}" if args.concurrent > 1 else ""
-    title = f"sessions{suffix}: {model}, window {args.window}, {args.concurrent} at once\n{machine_line(m)}"
-    jpath, ppath = write_results(f"sessions{suffix}", result, plot(result, title), args.out or DEFAULT_OUT)
-    print_table(f"agent sessions replayed ({model}, window {args.window}, {args.concurrent} at once)",
-                ["session", "arm", "answered", "computed", "floor", "x floor", "edits", "max prompt", "p50 s",
-                 "p99 s", "KV reused", "fallbacks"], table, machine_line(m))
+    for a in arms:
+        s = result["overall"][a] = overall({n: v["summary"][a] for n, v in result["sessions"].items()},
+                                           [r for n in sessions for r in rows[a][n]])
+        table.append([a, f"{s['sessions_whole']}/{s['sessions']}", f"{s['answered']}/{s['turns']}", s["computed"],
+                      s["floor"], s["ratio"] or "", s["worst_ratio"] or "", s["edits"], s["max_prompt"],
+                      s["latency_p50_s"] or "", s["latency_p99_s"] or "", s["kv_reused_tokens"],
+                      ",".join(s["kv_fallbacks"])])
+    name = ("sessions-traces" if args.traces else "sessions") + (f"-x{args.concurrent}" if args.concurrent > 1 else "")
+    what = f"{model}, window {args.window}, {args.copies} cop{'y' if args.copies == 1 else 'ies'} each, " \
+           f"{args.concurrent} at once"
+    jpath, ppath = write_results(name, result, plot(result, f"{name}: {what}\n{machine_line(m)}"),
+                                 args.out or DEFAULT_OUT)
+    print_table(f"{result['workload']} replayed ({what})",
+                ["arm", "whole sessions", "turns answered", "computed", "floor", "x floor", "worst session",
+                 "edits", "max prompt", "p50 s", "p99 s", "KV reused", "fallbacks"], table, machine_line(m))
     print(f"wrote {jpath} and {ppath}")
     return result
 

@@ -132,3 +132,38 @@ def test_sessions_copies_are_sessions_of_their_own_and_usage_reads_both_apis():
     assert s["ratio"] == 1.25 and s["edit_turns"] == [2] and s["max_prompt"] == 103 and s["failed_from_turn"] is None
     failed = ok[:2] + [{"session": 0, "turn": 2, "status": 400, "latency_s": 0.1}]
     assert summary(failed, floor)["failed_from_turn"] == 2 and summary(failed, floor)["ratio"] is None
+
+
+def test_public_traces_become_growing_conversations_of_their_scaled_size():
+    """kv-cache-tester's traces (the fixture) as Anthropic Messages requests: each request extends
+    the previous one (what it answered, then the new tool result or text), the same block hash is
+    the same text, sizes follow the trace at the chosen scale, and a trace ends where its client
+    rewrote the middle."""
+    from agentkv.benchmarks.sessions import copy_of, overall, summary
+    from agentkv.benchmarks.traces import append_only, block_text, conversation, load
+
+    traces = load()
+    assert len(traces) >= 20 and len({t["id"] for t in traces}) == len(traces)
+    t = traces[0]
+    reqs = conversation(t, words_per_block=16)
+    assert len(reqs) == len(t["requests"]) >= 20
+    for a, b in zip(reqs, reqs[1:]):
+        ma, mb = a["body"]["messages"], b["body"]["messages"]
+        assert mb[:len(ma)] == ma and [m["role"] for m in mb[len(ma):]] == ["assistant", "user"]
+        assert (a["body"]["system"], a["body"]["tools"]) == (b["body"]["system"], b["body"]["tools"])
+    for i, (req, r) in enumerate(zip(reqs[1:], t["requests"][1:]), 1):
+        said, user = req["body"]["messages"][-2:]
+        if "tool_result" in r["input_types"]:
+            assert said["content"][-1]["type"] == "tool_use"
+            assert user["content"][0]["tool_use_id"] == said["content"][-1]["id"]
+    words = sum(len(x["description"].split()) for x in reqs[-1]["body"]["tools"]) + len(reqs[-1]["body"]["system"].split())
+    assert abs(words - (t["tool_tokens"] + t["system_tokens"]) / 4) < 64        # a quarter scale, to a block
+    assert block_text(t["id"], 7, 16) == block_text(t["id"], 7, 16) != block_text(t["id"], 8, 16)
+    rewritten = [{"hash_ids": [1, 2, 3]}, {"hash_ids": [1, 2, 4, 5]}, {"hash_ids": [1, 9, 10]}]
+    assert append_only(rewritten) == 2
+    a, b = copy_of(reqs[3], 0, "m", "r"), copy_of(reqs[3], 1, "m", "r")
+    assert a[1]["x-claude-code-session-id"] != b[1]["x-claude-code-session-id"] and a[2]["max_tokens"] == 1
+    row = {"session": 0, "turn": 0, "status": 200, "latency_s": 0.5, "prompt_tokens": 10, "computed": 10, "edits": []}
+    whole, cut = summary([row], [row]), summary([row, dict(row, turn=1, status=400)], [row, row])
+    o = overall({"a": whole, "b": cut}, [row])
+    assert (o["sessions"], o["sessions_whole"], o["answered"], o["turns"], o["ratio"]) == (2, 1, 2, 3, 1.0)
