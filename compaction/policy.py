@@ -5,7 +5,8 @@ levels are fractions of the *room*: the window less the fixed part (system promp
 an agent's can make half the window), since only the rest can be cleared. Clear old tool results
 when the prompt fills ``clear_at`` of the room, in one batch down to ``clear_to`` of it
 (the newest 3 tool uses are kept unless that takes more: then all but the newest), so the session
-runs many turns before the next edit; summarize at ``compact_at`` of the room, keeping the
+runs many turns before the next edit (a batch that cannot bring the prompt under ``clear_at`` is
+not made: it would fire every turn; the rest is text, which only the summary reduces); summarize at ``compact_at`` of the room, keeping the
 newest 30% of it word for word and up to 5% of the window of user messages copied into the
 summary; the note itself at most 1/8 of the window (1024 tokens). The fractions' defaults are
 ``ServeConfig``'s (``--clear-at``, ``--clear-to``, ``--compact-at``). A fixed part that leaves less

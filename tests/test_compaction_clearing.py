@@ -45,6 +45,8 @@ def test_clearing_invariants(renderer, msgs, cfg):
             assert new[u.result_index] == msgs[u.result_index]
     if r.edits:
         assert r.tokens_before >= cfg.trigger.value and r.cleared_tokens >= cfg.clear_at_least
+        if cfg.clear_to is not None:     # a batch with a low-water mark leaves the prompt under its trigger
+            assert r.tokens_after < cfg.trigger.value
     else:
         assert new == msgs
     # the edits turn the old prompt's tokens into the new prompt's tokens, exactly
@@ -149,3 +151,24 @@ def test_a_request_naming_no_size_edit_keeps_the_default_clearing_and_compaction
     only_compact = ContextManagement.model_validate({"edits": [{"type": "compact", "trigger": 100}]})
     assert with_defaults(only_compact, default) == only_compact
     assert with_defaults(claude, None) == claude                        # --no-context-management
+
+
+def test_a_batch_that_cannot_get_under_its_trigger_is_left_to_compaction(renderer):
+    """With a low-water mark (the server default's clearing), a conversation whose bulk is text
+    (user and assistant messages, which clearing never touches) is not cleared a little on every
+    turn: a batch that leaves the prompt over the trigger is not made (compaction reduces text);
+    one that gets under it is."""
+    text = " ".join(["the cache of the server"] * 120)
+    msgs = [{"role": "user", "content": text}]
+    for i in range(4):
+        msgs += [{"role": "assistant", "content": text, "tool_calls": [{"id": f"c{i}", "type": "function",
+                  "function": {"name": "grep", "arguments": "{}"}}]},
+                 {"role": "tool", "tool_call_id": f"c{i}", "content": " ".join(["result line"] * 60)}]
+    before = renderer.count(msgs, TOOLS)
+    results = sum(renderer.count_text(m["content"]) for m in msgs if m["role"] == "tool")
+    high = ClearToolUses(trigger=before - results // 2, keep=1, clear_to=0)        # reachable
+    r = clear_tool_uses(msgs, renderer, high, TOOLS)
+    assert r.edits and r.tokens_after < high.trigger.value
+    low = ClearToolUses(trigger=before - results - 50, keep=1, clear_to=0)         # text alone is over it
+    assert clear_tool_uses(msgs, renderer, low, TOOLS).edits == []
+    assert clear_tool_uses(msgs, renderer, low.model_copy(update={"clear_to": None}), TOOLS).edits   # Anthropic's
