@@ -208,6 +208,20 @@ def _front(r: dict) -> str:
 
 
 def _sessions(r: dict) -> str:
+    copies = r.get("copies", r["concurrent"])      # results before --copies: every copy at once
+    head = (f"{r.get('workload', 'recorded client sessions')}, {r['model']}, window {r['window']} tokens, "
+            f"{copies} cop{'y' if copies == 1 else 'ies'} of each, {r['concurrent']} at once"
+            + (f" (pauses of {r['think_s']} s on average between a session's turns)" if r["concurrent"] > 1 else "")
+            + "\n\n")
+    if "overall" in r:
+        head += table(["arm", "sessions answered whole", "turns answered", "tokens computed", "floor", "x floor",
+                       "worst session x floor", "edits", "largest prompt", "latency p50 s", "latency p99 s",
+                       "KV reused tokens", "KV fallbacks"],
+                      [[arm, f"{a['sessions_whole']}/{a['sessions']}", f"{a['answered']}/{a['turns']}",
+                        *((a["computed"], a["floor"], _times(a["ratio"]), _times(a["worst_ratio"])) if a["sessions_whole"]
+                          else ("", "", "", "")), a["edits"], a["max_prompt"],
+                        a["latency_p50_s"], a["latency_p99_s"], a["kv_reused_tokens"], ", ".join(a["kv_fallbacks"])]
+                       for arm, a in r["overall"].items()]) + "\n\nPer session:\n\n"
     cols = ["session", "arm", "turns answered", "first failed turn", "tokens computed", "x floor", "turns with an edit",
             "largest prompt", "latency p50 s", "latency p99 s", "KV reused tokens", "KV fallbacks"]
     rows = []
@@ -217,8 +231,6 @@ def _sessions(r: dict) -> str:
                          else a["failed_from_turn"], a["computed"], "" if a["ratio"] is None else f"{a['ratio']:.2f}",
                          len(a["edit_turns"]), a["max_prompt"], a["latency_p50_s"], a["latency_p99_s"],
                          a["kv_reused_tokens"], ", ".join(a["kv_fallbacks"])])
-    head = (f"{r['model']}, window {r['window']} tokens, {r['concurrent']} cop{'y' if r['concurrent'] == 1 else 'ies'}"
-            f" of each session at once\n\n")
     return head + table(cols, rows)
 
 
@@ -256,7 +268,8 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "load-blend": _load, "connector-cost": _connector_cost, "front": _front, "front-prompt": _front,
     "fidelity": _fidelity,
     "gpu_check": _gpu_check, "gpu-prefill": _gpu_prefill, "replicas": _replicas,
-    "engine-input": _engine_input, "sessions": _sessions, "sessions-x8": _sessions,
+    "engine-input": _engine_input, "sessions": _sessions, "sessions-traces": _sessions,
+    "sessions-traces-x8": _sessions,
 }
 
 
@@ -315,6 +328,20 @@ def headlines(results: Path = RESULTS) -> str:
                          f"vLLM reached directly answers {v['answered']}/{v['turns']}"
                          + (f" (prompt over the window from turn {v['failed_from_turn']})" if v["failed_from_turn"]
                             is not None else ""), _where(r, "sessions")])
+    for name in sorted(p.stem for p in results.glob("sessions-traces*.json")):
+        r = _load_result(results, name)
+        o = r["overall"]
+        if not {"vllm", "recompute", "shift"} <= set(o):
+            continue
+        rows.append([f"{o['recompute']['sessions']} public Claude Code traces (kv-cache-tester), {r['concurrent']} at once, "
+                     f"at a quarter scale on a {r['window']:,}-token window",
+                     f"agentkv answers {o['recompute']['answered']}/{o['recompute']['turns']} turns: "
+                     f"{_times(o['recompute']['ratio'])} the floor's tokens computed (recompute; worst session "
+                     f"{_times(o['recompute']['worst_ratio'])}), {_times(o['shift']['ratio'])} (shift; worst "
+                     f"{_times(o['shift']['worst_ratio'])}); latency p50/p99 {o['recompute']['latency_p50_s']}/"
+                     f"{o['recompute']['latency_p99_s']} s",
+                     f"vLLM reached directly answers {o['vllm']['answered']}/{o['vllm']['turns']} turns, "
+                     f"{o['vllm']['sessions_whole']}/{o['vllm']['sessions']} sessions whole", _where(r, name)])
     return table(["what", "measured", "against", "file, date, machine"], rows)
 
 
