@@ -19,11 +19,13 @@ from .scenario import Scenario, score
 OUTCOMES = ("correct", "invented", "not_sure", "overflow")
 
 
-def setups(window: int) -> dict[str, dict]:
-    """context_management per setup, with triggers as fractions of a simulated window."""
+def setups(window: int) -> dict[str, dict | None]:
+    """context_management per setup, with triggers as fractions of a simulated window; ``server
+    default`` sends none, so the server's own default policy runs (on the served window)."""
     clear = {"type": "clear_tool_uses", "trigger": window // 2, "keep": 3, "clear_at_least": window // 10}
     return {
         "no compaction": {"edits": []},
+        "server default": None,
         "clearing": {"edits": [clear]},
         "clearing + summary": {"edits": [clear, {"type": "compact", "trigger": window * 3 // 4,
                                                  "keep_recent_tokens": window * 3 // 10}]},
@@ -41,9 +43,11 @@ def run_one(http, model: str, scenario: Scenario, policy: dict, recall: bool, ma
         for _ in range(n_turns):
             msgs += next(turns)
         for q in [q for q in scenario.questions if q.phase == phase]:
-            r = http.post("/v1/chat/completions", headers={"X-Session-Id": sid}, json={
-                "model": model, "messages": msgs + [{"role": "user", "content": q.text()}],
-                "max_tokens": max_tokens, "temperature": 0, "context_management": policy, "server_tools": recall})
+            body = {"model": model, "messages": msgs + [{"role": "user", "content": q.text()}],
+                    "max_tokens": max_tokens, "temperature": 0, "server_tools": recall}
+            if policy is not None:
+                body["context_management"] = policy
+            r = http.post("/v1/chat/completions", headers={"X-Session-Id": sid}, json=body)
             row = {"phase": phase, "service": q.service, "fact": q.fact, "expected": q.answer}
             if r.status_code == 400 and "context" in r.text.lower():   # the prompt outgrew the window
                 out.append({**row, "answer": None, "outcome": "overflow", "prompt_tokens": None,
