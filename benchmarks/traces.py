@@ -89,8 +89,7 @@ def conversation(trace: dict, words_per_block: int = 16, max_turns: int | None =
             messages = messages + [{"role": "assistant", "content": said}, {"role": "user", "content": user}]
         body = {"model": trace["models"][0], "max_tokens": max(1, req["out"]), "tools": tools,
                 "system": _text(tid, system_ids, words_per_block), "messages": messages}
-        out.append({"path": "/v1/messages", "headers": {"x-claude-code-session-id": tid}, "body": body,
-                    "think_time_s": req.get("think_time") or 0.0})
+        out.append({"path": "/v1/messages", "headers": {"x-claude-code-session-id": tid}, "body": body})
     return out
 
 
