@@ -50,9 +50,7 @@ def clear_tool_uses(messages: list[Message], renderer: PromptRenderer, cfg: Clea
     together (only contents change); a result is cleared only where the placeholder is shorter;
     nothing is cleared unless at least ``cfg.clear_at_least`` tokens are freed. With ``cfg.clear_to``
     (agentkv's) the newest ``keep`` are cleared too, oldest first, while the prompt is above it, all
-    but the newest tool use, which the model has not answered yet; and a batch that cannot bring the
-    prompt under the trigger is not made (it would fire on every turn after: what is left is text,
-    which only compaction reduces)."""
+    but the newest tool use, which the model has not answered yet."""
     before = renderer.count(messages, tools)
     unchanged = ClearResult(messages, tokens_before=before, tokens_after=before)
     if cfg.trigger.type == "input_tokens" and not cfg.trigger.reached(before, 0):
@@ -97,8 +95,6 @@ def clear_tool_uses(messages: list[Message], renderer: PromptRenderer, cfg: Clea
         return unchanged
     if before - after < max(cfg.clear_at_least, 1):
         return unchanged
-    if cfg.clear_to is not None and cfg.trigger.type == "input_tokens" and cfg.trigger.reached(after, 0):
-        return unchanged   # it would fire again next turn, and the next: left to compaction, one edit
     old_prompt, new_prompt = renderer.render(messages, tools), renderer.render(new, tools)
     edits = diff_edits(old_prompt, new_prompt, kinds)
     return ClearResult(new, edits, cleared, before, after, old_prompt.token_ids, new_prompt.token_ids)

@@ -5,8 +5,8 @@ levels are fractions of the *room*: the window less the fixed part (system promp
 an agent's can make half the window), since only the rest can be cleared. Clear old tool results
 when the prompt fills ``clear_at`` of the room, in one batch down to ``clear_to`` of it
 (the newest 3 tool uses are kept unless that takes more: then all but the newest), so the session
-runs many turns before the next edit (a batch that cannot bring the prompt under ``clear_at`` is
-not made: it would fire every turn; the rest is text, which only the summary reduces); summarize at ``compact_at`` of the room, keeping the
+runs many turns before the next edit (a batch that cannot bring the prompt under ``clear_at`` waits
+for the summary: ``left_to_summary``); summarize at ``compact_at`` of the room, keeping the
 newest 30% of it word for word and up to 5% of the window of user messages copied into the
 summary; the note itself at most 1/8 of the window (1024 tokens). The fractions' defaults are
 ``ServeConfig``'s (``--clear-at``, ``--clear-to``, ``--compact-at``). A fixed part that leaves less
@@ -59,6 +59,19 @@ def default_policy(window: int, fixed: int, clear_at: float, clear_to: float, co
         Compact(trigger=fixed + int(room * compact_at), keep_recent_tokens=int(room * 0.3),
                 user_messages_tokens=int(window * 0.05), summary_max_tokens=summary_limit(window)),
     ])
+
+
+def left_to_summary(edit: ClearToolUses, tokens_before: int, tokens_after: int, policy: ContextManagement,
+                    window: int | None) -> bool:
+    """Whether a low-water batch (agentkv's ``clear_to``) waits for the policy's summary: it cannot
+    bring the prompt under its own trigger (what is left is text, which only a summary reduces), so
+    made now it would fire again on every turn, each time clearing a little; it waits while the
+    prompt is under a later ``compact`` edit's trigger (and the window), so nothing overflows. At
+    that trigger the batch is made before the summary (less to summarize; the prompt still shrinks
+    if the summary fails). Anthropic's own ``clear_tool_uses`` (no ``clear_to``) never waits."""
+    if edit.clear_to is None or edit.trigger.type != "input_tokens" or not edit.trigger.reached(tokens_after, 0):
+        return False
+    return any(tokens_before < min(e.trigger, window or e.trigger) for e in policy.edits if isinstance(e, Compact))
 
 
 def room_warning(window: int, fixed: int) -> str | None:

@@ -45,8 +45,6 @@ def test_clearing_invariants(renderer, msgs, cfg):
             assert new[u.result_index] == msgs[u.result_index]
     if r.edits:
         assert r.tokens_before >= cfg.trigger.value and r.cleared_tokens >= cfg.clear_at_least
-        if cfg.clear_to is not None:     # a batch with a low-water mark leaves the prompt under its trigger
-            assert r.tokens_after < cfg.trigger.value
     else:
         assert new == msgs
     # the edits turn the old prompt's tokens into the new prompt's tokens, exactly
@@ -153,11 +151,16 @@ def test_a_request_naming_no_size_edit_keeps_the_default_clearing_and_compaction
     assert with_defaults(claude, None) == claude                        # --no-context-management
 
 
-def test_a_batch_that_cannot_get_under_its_trigger_is_left_to_compaction(renderer):
+
+def test_a_batch_that_cannot_get_under_its_trigger_waits_for_the_summary(renderer):
     """With a low-water mark (the server default's clearing), a conversation whose bulk is text
     (user and assistant messages, which clearing never touches) is not cleared a little on every
-    turn: a batch that leaves the prompt over the trigger is not made (compaction reduces text);
-    one that gets under it is."""
+    turn: a batch that leaves the prompt over its trigger waits for the policy's summary while the
+    prompt is under the summary's trigger (and the window); at that trigger, or with no summary in
+    the policy, or for Anthropic's clearing (no ``clear_to``), it is made."""
+    from agentkv.compaction.config import Compact
+    from agentkv.compaction.policy import ContextManagement, left_to_summary
+
     text = " ".join(["the cache of the server"] * 120)
     msgs = [{"role": "user", "content": text}]
     for i in range(4):
@@ -166,9 +169,17 @@ def test_a_batch_that_cannot_get_under_its_trigger_is_left_to_compaction(rendere
                  {"role": "tool", "tool_call_id": f"c{i}", "content": " ".join(["result line"] * 60)}]
     before = renderer.count(msgs, TOOLS)
     results = sum(renderer.count_text(m["content"]) for m in msgs if m["role"] == "tool")
-    high = ClearToolUses(trigger=before - results // 2, keep=1, clear_to=0)        # reachable
-    r = clear_tool_uses(msgs, renderer, high, TOOLS)
-    assert r.edits and r.tokens_after < high.trigger.value
-    low = ClearToolUses(trigger=before - results - 50, keep=1, clear_to=0)         # text alone is over it
-    assert clear_tool_uses(msgs, renderer, low, TOOLS).edits == []
-    assert clear_tool_uses(msgs, renderer, low.model_copy(update={"clear_to": None}), TOOLS).edits   # Anthropic's
+    summary = ContextManagement(edits=[Compact(trigger=before + 100)])
+    reachable = ClearToolUses(trigger=before - results // 2, keep=1, clear_to=0)
+    r = clear_tool_uses(msgs, renderer, reachable, TOOLS)
+    assert r.edits and not left_to_summary(reachable, r.tokens_before, r.tokens_after, summary, 10 * before)
+    text_bound = ClearToolUses(trigger=before - results - 50, keep=1, clear_to=0)     # text alone is over it
+    r = clear_tool_uses(msgs, renderer, text_bound, TOOLS)
+    assert r.edits and r.tokens_after >= text_bound.trigger.value
+    assert left_to_summary(text_bound, r.tokens_before, r.tokens_after, summary, 10 * before)      # waits
+    assert not left_to_summary(text_bound, r.tokens_before, r.tokens_after, summary, before)       # window
+    at_summary = ContextManagement(edits=[Compact(trigger=before)])
+    assert not left_to_summary(text_bound, r.tokens_before, r.tokens_after, at_summary, 10 * before)
+    assert not left_to_summary(text_bound, r.tokens_before, r.tokens_after, ContextManagement(), 10 * before)
+    anthropic = text_bound.model_copy(update={"clear_to": None})
+    assert not left_to_summary(anthropic, r.tokens_before, r.tokens_after, summary, 10 * before)

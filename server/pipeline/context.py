@@ -23,7 +23,7 @@ from typing import Any
 
 from ...compaction.clearing import clear_tool_uses
 from ...compaction.config import ClearThinking, ClearToolUses, Compact
-from ...compaction.policy import ContextManagement, default_policy, with_defaults
+from ...compaction.policy import ContextManagement, default_policy, left_to_summary, with_defaults
 from ...compaction.prompt import Message, PromptRenderer, one_step
 from ...compaction.prompt_segments import SegmentCache
 from ...compaction.summarize import ModelClient, summarize
@@ -146,7 +146,8 @@ class ContextManager:
                                     "cleared_input_tokens": r.cleared_tokens})
             elif isinstance(edit, ClearToolUses):
                 r = clear_tool_uses(view, renderer, edit, tools)
-                if not r.edits:
+                if not r.edits or (notes_key is not None and summarizer is not None and left_to_summary(
+                        edit, r.tokens_before, r.tokens_after, policy, window)):
                     continue
                 for i in {e.message_index for e in r.edits}:
                     state.replaced[where[i]] = r.messages[i]
