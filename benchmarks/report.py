@@ -218,7 +218,7 @@ def _sessions(r: dict) -> str:
                        "worst session x floor", "edits", "largest prompt", "latency p50 s", "latency p99 s",
                        "KV reused tokens", "KV fallbacks"],
                       [[arm, f"{a['sessions_whole']}/{a['sessions']}", f"{a['answered']}/{a['turns']}",
-                        *((a["computed"], a["floor"], _times(a["ratio"]), _times(a["worst_ratio"])) if a["sessions_whole"]
+                        *((a["computed"], a["floor"], _times(a["ratio"]), _times(a["worst_ratio"])) if a["floor"]
                           else ("", "", "", "")), a["edits"], a["max_prompt"],
                         a["latency_p50_s"], a["latency_p99_s"], a["kv_reused_tokens"], ", ".join(a["kv_fallbacks"])]
                        for arm, a in r["overall"].items()]) + "\n\nPer session:\n\n"
@@ -268,8 +268,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "load-blend": _load, "connector-cost": _connector_cost, "front": _front, "front-prompt": _front,
     "fidelity": _fidelity,
     "gpu_check": _gpu_check, "gpu-prefill": _gpu_prefill, "replicas": _replicas,
-    "engine-input": _engine_input, "sessions": _sessions, "sessions-traces": _sessions,
-    "sessions-traces-x8": _sessions,
+    "engine-input": _engine_input,
 }
 
 
@@ -334,9 +333,10 @@ def headlines(results: Path = RESULTS) -> str:
         if not {"vllm", "recompute", "shift"} <= set(o):
             continue
         rows.append([f"{o['recompute']['sessions']} public Claude Code traces (kv-cache-tester), {r['concurrent']} at once, "
-                     f"at a quarter scale on a {r['window']:,}-token window",
+                     f"{r['trace_words']} tokens per 64-token block on a {r['window']:,}-token window",
                      f"agentkv answers {o['recompute']['answered']}/{o['recompute']['turns']} turns: "
-                     f"{_times(o['recompute']['ratio'])} the floor's tokens computed (recompute; worst session "
+                     f"{_times(o['recompute']['ratio'])} the floor's tokens computed over the sessions answered whole "
+                     f"(recompute; worst session "
                      f"{_times(o['recompute']['worst_ratio'])}), {_times(o['shift']['ratio'])} (shift; worst "
                      f"{_times(o['shift']['worst_ratio'])}); latency p50/p99 {o['recompute']['latency_p50_s']}/"
                      f"{o['recompute']['latency_p99_s']} s",
@@ -356,7 +356,8 @@ def render(name: str, result: dict) -> str:
     caption = (f"*`{name}`: measured {result['measured_at'][:10]} on {machine_line(result['machine'])}"
                f"{', model' + ('s ' if len(models) > 1 else ' ') + ', '.join(f'`{m}`' for m in models) if models else ''}; "
                f"`benchmarks/results/{name}.json`.*\n\n")
-    return caption + RENDERERS.get(name, _rows)(result) + "\n"
+    renderer = RENDERERS.get(name) or (_sessions if name.split("-")[0] == "sessions" else _rows)
+    return caption + renderer(result) + "\n"
 
 
 def rewrite(readme: str, results: Path = RESULTS) -> str:

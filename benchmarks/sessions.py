@@ -204,14 +204,15 @@ def summary(rows: list[dict], floor_rows: list[dict] | None) -> dict:
 def overall(summaries: dict[str, dict], rows: list[dict]) -> dict:
     """One arm over many sessions: turns answered, tokens computed against the floor (sessions
     answered whole), the worst session's ratio, latency over every turn."""
-    whole = [s for s in summaries.values() if s["ratio"] is not None]
-    computed, floor = sum(s["computed"] for s in whole), sum(s["floor"] for s in whole)
+    whole = [s for s in summaries.values() if s["failed_from_turn"] is None]
+    rated = [s for s in whole if s["ratio"] is not None]      # ... and a floor to compare with
+    computed, floor = sum(s["computed"] for s in rated), sum(s["floor"] for s in rated)
     lat = sorted(r["latency_s"] for r in rows if r["status"] == 200)
     return {"sessions": len(summaries), "sessions_whole": len(whole),
             "turns": sum(s["turns"] for s in summaries.values()),
             "answered": sum(s["answered"] for s in summaries.values()),
             "computed": computed, "floor": floor, "ratio": round(computed / floor, 3) if floor else None,
-            "worst_ratio": max((s["ratio"] for s in whole), default=None),
+            "worst_ratio": max((s["ratio"] for s in rated), default=None),
             "edits": sum(len(s["edit_turns"]) for s in summaries.values()),
             "max_prompt": max(s["max_prompt"] for s in summaries.values()),
             "latency_p50_s": round(statistics.median(lat), 3) if lat else None,
@@ -296,7 +297,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.traces:
         from .traces import conversation, load as load_traces
 
-        sessions = {t["id"]: conversation(t, args.trace_words) for t in load_traces()[:args.traces]}
+        traces = load_traces()
+        if args.traces > len(traces):
+            ap.error(f"--traces: the fixture holds {len(traces)} traces")
+        sessions = {t["id"]: conversation(t, args.trace_words) for t in traces[:args.traces]}
     else:
         sessions = {p.name.removesuffix(".json.xz"): load(p)["requests"] for p in args.sessions}
     arms = [a for a in ARMS if a in args.arms]
@@ -306,7 +310,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"machine": m, "model": model, "window": args.window, "copies": args.copies,
               "concurrent": args.concurrent, "think_s": args.think_s if args.concurrent > 1 else 0,
               "workload": (f"{len(sessions)} kv-cache-tester traces, {args.trace_words} words per 64-token block"
-                           if args.traces else "recorded client sessions"), "sessions": {}, "overall": {}}
+                           if args.traces else "recorded client sessions"),
+              "trace_words": args.trace_words if args.traces else None, "sessions": {}, "overall": {}}
     table = []
     for name in sessions:
         floor_rows = rows["floor"][name] if "floor" in rows else None
@@ -319,7 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
                       s["floor"], s["ratio"] or "", s["worst_ratio"] or "", s["edits"], s["max_prompt"],
                       s["latency_p50_s"] or "", s["latency_p99_s"] or "", s["kv_reused_tokens"],
                       ",".join(s["kv_fallbacks"])])
-    name = ("sessions-traces" if args.traces else "sessions") + (f"-x{args.concurrent}" if args.concurrent > 1 else "")
+    name = (("sessions-traces" if args.traces else "sessions") + (f"-c{args.copies}" if args.copies > 1 else "")
+            + (f"-x{args.concurrent}" if args.concurrent > 1 else ""))
     what = f"{model}, window {args.window}, {args.copies} cop{'y' if args.copies == 1 else 'ies'} each, " \
            f"{args.concurrent} at once"
     jpath, ppath = write_results(name, result, plot(result, f"{name}: {what}\n{machine_line(m)}"),
