@@ -146,8 +146,7 @@ class ContextManager:
                                     "cleared_input_tokens": r.cleared_tokens})
             elif isinstance(edit, ClearToolUses):
                 r = clear_tool_uses(view, renderer, edit, tools)
-                if not r.edits or (notes_key is not None and summarizer is not None and left_to_summary(
-                        edit, r.tokens_before, r.tokens_after, policy, window)):
+                if not r.edits or left_to_summary(edit, r.tokens_before, r.tokens_after, policy, window):
                     continue
                 for i in {e.message_index for e in r.edits}:
                     state.replaced[where[i]] = r.messages[i]
