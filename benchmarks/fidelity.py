@@ -317,9 +317,15 @@ def main(argv: list[str] | None = None) -> dict:
             info = ep.model()
             renderer = PromptRenderer.from_pretrained(info.get("root") or args.model)
             rows = agentkv_phase(ep, renderer, seeds, uses, mode_list)
-        if binary is not None:
-            rows += llama_phase(binary, renderer, seeds, uses)
         extra = {"block_size": None if args.url else BLOCK_SIZE}
+        if binary is not None:
+            from .llama_peer import PeerError
+
+            try:
+                rows += llama_phase(binary, renderer, seeds, uses)
+            except PeerError as exc:   # the peer failing does not throw away agentkv's measurements
+                print(f"llama.cpp peer failed, results without it ({exc}); add it later with --peer-only")
+                extra["peer_error"] = str(exc)[:500]
     agg = aggregate(rows)
     result = {"machine": m, "model": info["id"], **extra, "seeds": seeds,
               "uses": uses, "questions": sum(r["kept"]["n"] + r["ghost"]["n"] for r in rows if r["mode"] == "recompute"),
