@@ -6,6 +6,8 @@ import datetime as _dt
 import importlib.metadata
 import json
 import platform
+import sys
+import tempfile
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -96,6 +98,8 @@ class Endpoint:
         return self
 
     def __exit__(self, *exc) -> None:
+        if exc[0] is not None and getattr(self, "log_path", None):
+            print(f"agentkv serve's log: {self.log_path}", file=sys.stderr)
         self.stop()
 
     def stop(self) -> None:
@@ -113,12 +117,14 @@ class Endpoint:
         from ..server.engine.process import dies_with_parent, free_port
 
         port = free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "agentkv.server.cli", "serve", "--port", str(port),
-                                      *self.serve_args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=dies_with_parent())
+        self.log_path = Path(tempfile.mkstemp(prefix="agentkv-serve-", suffix=".log")[1])
+        with self.log_path.open("wb") as out:    # kept: what to read when a run fails
+            self.proc = subprocess.Popen([sys.executable, "-m", "agentkv.server.cli", "serve", "--port", str(port),
+                                          *self.serve_args], stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=dies_with_parent())
         self.url, self.pid = f"http://127.0.0.1:{port}", self.proc.pid
         try:
-            wait_ready(self.proc, f"{self.url}/health", self.startup_timeout_s, "agentkv serve")
+            wait_ready(self.proc, f"{self.url}/health", self.startup_timeout_s, "agentkv serve", self.log_path)
         except BaseException:   # not ready, or interrupted: nothing it started stays behind
             self.stop()
             raise

@@ -109,7 +109,9 @@ class EngineClient:
         self._http = aiohttp.ClientSession(
             base_url=ENGINE_URL, headers={"Authorization": f"Bearer {secret}"},
             connector=aiohttp.UnixConnector(path=socket_path, limit=0, force_close=True),
-            timeout=aiohttp.ClientTimeout(total=None, connect=5.0), auto_decompress=False)
+            # a generous connect timeout: a dead engine refuses at once; 5 s fired on a live one when 8
+            # agent sessions kept 2 cores busy (the front's loop served the timer late: 4 spurious 503s)
+            timeout=aiohttp.ClientTimeout(total=None, connect=30.0), auto_decompress=False)
 
     async def aclose(self) -> None:
         self.fail_open("the engine's connection was closed")
