@@ -183,6 +183,14 @@ def run_arm(arm: str, sessions: dict[str, list], path: str, model: str, window: 
     return out
 
 
+def latency(lat: list[float]) -> dict:
+    """p50 and p99 (nearest rank) of the sorted latencies ``lat``, in seconds."""
+    if not lat:
+        return {"latency_p50_s": None, "latency_p99_s": None}
+    return {"latency_p50_s": round(statistics.median(lat), 3),
+            "latency_p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3)}
+
+
 def summary(rows: list[dict], floor_rows: list[dict] | None) -> dict:
     ok = [r for r in rows if r["status"] == 200]
     computed = sum(r["computed"] for r in ok)
@@ -195,8 +203,7 @@ def summary(rows: list[dict], floor_rows: list[dict] | None) -> dict:
             "ratio": round(computed / floor, 3) if floor and len(ok) == len(rows) else None,
             "edit_turns": sorted({r["turn"] for r in ok if r.get("edits")}),
             "max_prompt": max((r["prompt_tokens"] for r in ok), default=0),
-            "latency_p50_s": round(statistics.median(lat), 3) if lat else None,
-            "latency_p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
+            **latency(lat),
             "kv_reused_tokens": sum(k.get("reused_tokens", 0) for k in kv),
             "kv_fallbacks": sorted({k["fallback"] for k in kv if k.get("fallback")})}
 
@@ -215,8 +222,7 @@ def overall(summaries: dict[str, dict], rows: list[dict]) -> dict:
             "worst_ratio": max((s["ratio"] for s in rated), default=None),
             "edits": sum(len(s["edit_turns"]) for s in summaries.values()),
             "max_prompt": max(s["max_prompt"] for s in summaries.values()),
-            "latency_p50_s": round(statistics.median(lat), 3) if lat else None,
-            "latency_p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
+            **latency(lat),
             "kv_reused_tokens": sum(s["kv_reused_tokens"] for s in summaries.values()),
             "kv_fallbacks": sorted({f for s in summaries.values() for f in s["kv_fallbacks"]})}
 
