@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .config import ClearToolUses
@@ -44,13 +45,15 @@ def placeholder(use: ToolUse, tokens: int, cfg: ClearToolUses) -> str:
 
 
 def clear_tool_uses(messages: list[Message], renderer: PromptRenderer, cfg: ClearToolUses,
-                    tools: list | None = None) -> ClearResult:
+                    tools: list | None = None, wait: Callable[[int, int], bool] | None = None) -> ClearResult:
     """Clear every tool result older than the newest ``cfg.keep`` tool uses, once the prompt reaches
     ``cfg.trigger`` (input tokens, or tool uses). System and user messages are never touched; a call and its result stay
     together (only contents change); a result is cleared only where the placeholder is shorter;
     nothing is cleared unless at least ``cfg.clear_at_least`` tokens are freed. With ``cfg.clear_to``
     (agentkv's) the newest ``keep`` are cleared too, oldest first, while the prompt is above it, all
-    but the newest tool use, which the model has not answered yet."""
+    but the newest tool use, which the model has not answered yet. ``wait(before, after)``: the
+    policy's say on a batch once its size is known (true: not made now), asked before the prompts
+    are rendered and diffed."""
     before = renderer.count(messages, tools)
     unchanged = ClearResult(messages, tokens_before=before, tokens_after=before)
     if cfg.trigger.type == "input_tokens" and not cfg.trigger.reached(before, 0):
@@ -93,7 +96,7 @@ def clear_tool_uses(messages: list[Message], renderer: PromptRenderer, cfg: Clea
                 after = renderer.count(new, tools)
     if not kinds:
         return unchanged
-    if before - after < max(cfg.clear_at_least, 1):
+    if before - after < max(cfg.clear_at_least, 1) or (wait is not None and wait(before, after)):
         return unchanged
     old_prompt, new_prompt = renderer.render(messages, tools), renderer.render(new, tools)
     edits = diff_edits(old_prompt, new_prompt, kinds)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from agent_sessions import TOOLS, conversations
 from hypothesis import HealthCheck, given, settings
@@ -177,6 +179,10 @@ def test_a_batch_that_cannot_get_under_its_trigger_waits_for_the_summary(rendere
     r = clear_tool_uses(msgs, renderer, text_bound, TOOLS)
     assert r.edits and r.tokens_after >= text_bound.trigger.value
     assert left_to_summary(text_bound, r.tokens_before, r.tokens_after, summary, 10 * before)      # waits
+    waits = functools.partial(left_to_summary, text_bound, policy=summary, window=10 * before)
+    assert clear_tool_uses(msgs, renderer, text_bound, TOOLS, wait=waits).edits == []             # as the step asks
+    assert clear_tool_uses(msgs, renderer, reachable, TOOLS, wait=functools.partial(
+        left_to_summary, reachable, policy=summary, window=10 * before)).edits
     assert not left_to_summary(text_bound, r.tokens_before, r.tokens_after, summary, before)       # window
     at_summary = ContextManagement(edits=[Compact(trigger=before)])
     assert not left_to_summary(text_bound, r.tokens_before, r.tokens_after, at_summary, 10 * before)

@@ -145,8 +145,9 @@ class ContextManager:
                 run.applied.append({"type": edit.type, "cleared_thinking_turns": r.cleared_turns,
                                     "cleared_input_tokens": r.cleared_tokens})
             elif isinstance(edit, ClearToolUses):
-                r = clear_tool_uses(view, renderer, edit, tools)
-                if not r.edits or left_to_summary(edit, r.tokens_before, r.tokens_after, policy, window):
+                r = clear_tool_uses(view, renderer, edit, tools,
+                                    wait=functools.partial(left_to_summary, edit, policy=policy, window=window))
+                if not r.edits:
                     continue
                 for i in {e.message_index for e in r.edits}:
                     state.replaced[where[i]] = r.messages[i]
