@@ -69,6 +69,7 @@ def conversation(trace: dict, words_per_block: int = 16, max_turns: int | None =
     tools = [{"name": f"tool_{i}", "description": _text(tid, tool_ids[j:j + per_tool], words_per_block),
               "input_schema": {"type": "object", "properties": {"arg": {"type": "string"}}, "required": ["arg"]}}
              for i, j in enumerate(range(0, len(tool_ids), per_tool))]
+    system = _text(tid, system_ids, words_per_block)
     messages = [{"role": "user", "content": _text(tid, task_ids, words_per_block) or "Start."}]
     out = []
     for i, req in enumerate(reqs):
@@ -88,7 +89,7 @@ def conversation(trace: dict, words_per_block: int = 16, max_turns: int | None =
                 user = _text(tid, content, words_per_block) or "Go on."
             messages = messages + [{"role": "assistant", "content": said}, {"role": "user", "content": user}]
         body = {"model": trace["models"][0], "max_tokens": max(1, req["out"]), "tools": tools,
-                "system": _text(tid, system_ids, words_per_block), "messages": messages}
+                "system": system, "messages": messages}
         out.append({"path": "/v1/messages", "headers": {"x-claude-code-session-id": tid}, "body": body})
     return out
 
@@ -108,7 +109,7 @@ def select(folder: Path, n: int, max_turns: int, min_turns: int = 20) -> list[di
     for path in sorted(Path(folder).glob("*.json")):
         t = json.loads(path.read_text())
         reqs = t["requests"]
-        if any("hash_ids" not in r for r in reqs):
+        if any("hash_ids" not in r for r in reqs):     # a subagent's entry (it has its own requests)
             continue
         fixed = t["tool_tokens"] + t["system_tokens"]
         used = min(append_only(reqs), max_turns)
