@@ -90,7 +90,7 @@ class Endpoint:
     def __init__(self, url: str | None = None, api_key: str | None = None, serve_args: tuple[str, ...] = (),
                  startup_timeout_s: float = 900):
         self.url, self.api_key, self.serve_args, self.proc = url, api_key, serve_args, None
-        self.startup_timeout_s = startup_timeout_s
+        self.startup_timeout_s, self.log_path = startup_timeout_s, None
 
     def __enter__(self) -> "Endpoint":
         if self.url is None:
@@ -98,7 +98,7 @@ class Endpoint:
         return self
 
     def __exit__(self, *exc) -> None:
-        if exc[0] is not None and getattr(self, "log_path", None):
+        if exc[0] is not None and self.log_path:
             print(f"agentkv serve's log: {self.log_path}", file=sys.stderr)
         self.stop()
 
@@ -111,17 +111,11 @@ class Endpoint:
             stop_group(proc, grace_s=120)
 
     def _start(self) -> None:
-        import subprocess
-        import sys
-
-        from ..server.engine.process import dies_with_parent, free_port
+        from ..server.engine.process import free_port
 
         port = free_port()
-        self.log_path = Path(tempfile.mkstemp(prefix="agentkv-serve-", suffix=".log")[1])
-        with self.log_path.open("wb") as out:    # kept: what to read when a run fails
-            self.proc = subprocess.Popen([sys.executable, "-m", "agentkv.server.cli", "serve", "--port", str(port),
-                                          *self.serve_args], stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=dies_with_parent())
+        self.proc, self.log_path = start_logged([sys.executable, "-m", "agentkv.server.cli", "serve", "--port",
+                                                 str(port), *self.serve_args], "agentkv-serve-")
         self.url, self.pid = f"http://127.0.0.1:{port}", self.proc.pid
         try:
             wait_ready(self.proc, f"{self.url}/health", self.startup_timeout_s, "agentkv serve", self.log_path)
@@ -138,6 +132,20 @@ class Endpoint:
     def model(self) -> dict:
         with self.http() as h:
             return h.get("/v1/models").json()["data"][0]
+
+
+def start_logged(argv: list[str], prefix: str, env: dict | None = None):
+    """A server process in a session of its own that dies with this one, its output in a temp log
+    kept for reading after a failure: (the process, the log's path)."""
+    import subprocess
+
+    from ..server.engine.process import dies_with_parent
+
+    log_path = Path(tempfile.mkstemp(prefix=prefix, suffix=".log")[1])
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=dies_with_parent())
+    return proc, log_path
 
 
 def wait_ready(proc, url: str, timeout_s: float, name: str, log_path: Path | None = None) -> None:

@@ -23,14 +23,14 @@ import copy
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .harness import Endpoint, machine, machine_line, print_table, pyplot, wait_ready, write_results
+from .harness import (Endpoint, machine, machine_line, print_table, pyplot, start_logged, wait_ready,
+                      write_results)
 from .session_record import DATA, load
 
 ARMS = ("vllm", "recompute", "shift", "floor")
@@ -119,7 +119,7 @@ class VllmDirect:
         import os
 
         from ..server.config import ServeConfig
-        from ..server.engine.process import dies_with_parent, engine_args, free_port
+        from ..server.engine.process import engine_args, free_port
         from ..server.engine.supervisor import resolve_model_path
 
         cfg = ServeConfig(model=self.path, served_model_name=self.model, max_model_len=self.window)
@@ -129,11 +129,8 @@ class VllmDirect:
         argv[i:i + 2] = ["--host", "127.0.0.1", "--port", str(port)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", **cfg.cpu_env()}
-        log_path = Path(tempfile.mkstemp(prefix="agentkv-vllm-", suffix=".log")[1])
-        with log_path.open("wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *argv],
-                                         env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=dies_with_parent())
+        self.proc, log_path = start_logged([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *argv],
+                                           "agentkv-vllm-", env)
         self.url = f"http://127.0.0.1:{port}"
         try:
             wait_ready(self.proc, f"{self.url}/health", 900, "vLLM", log_path)
