@@ -38,6 +38,14 @@ def test_capital_of_france_through_the_anthropic_client(real_server):
     assert "Paris" in "".join(b.text for b in msg.content if b.type == "text")
 
 
+def test_the_built_generation_config_holds_the_model_cards_sampling(real_server):
+    """vLLM applies it to requests that name no sampling field (its log says so at start)."""
+    assert "overridden by the model's `generation_config.json`: `{'temperature': 0.2, 'top_p': 0.9}`" in \
+        real_server.log_path.read_text()
+    config = json.loads((model_dir(REAL) / "generation_config.json").read_text())
+    assert (config["do_sample"], config["temperature"], config["top_p"]) == (True, 0.2, 0.9)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_tool_call_is_parsed_with_json_arguments(real_server, stream):
     client = real_server.client()

