@@ -289,7 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         binary = llama_peer.build() if args.build_llama_cpp else llama_peer.find_binary(args.llama_server)
         if binary is None:
-            ap.error("llama-server not found: pass --llama-server PATH, --build-llama-cpp (10+ minutes) or --no-peer")
+            ap.error("llama-server not found (or built on another CPU): pass --llama-server PATH, --build-llama-cpp "
+                     "(10+ minutes) or --no-peer")
 
     from ..compaction.prompt import PromptRenderer
 

@@ -67,12 +67,39 @@ def binary_in(dest: Path) -> Path:
     return source_dir(dest) / "build" / "bin" / "llama-server"
 
 
+def cpu_flags() -> frozenset[str]:
+    """This CPU's instruction-set flags (``/proc/cpuinfo``; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def _stamp(binary: Path) -> Path:
+    """Where `build` records the flags of the CPU it built for (``GGML_NATIVE``: ``-march=native``)."""
+    return binary.parent / "agentkv-cpu-flags.txt"
+
+
+def built_for_this_cpu(binary: Path) -> bool:
+    """`build` recorded the CPU it built for, and this CPU has every flag that one had (a native
+    build run on a CPU without, e.g., AVX-512 dies of an illegal instruction or a segfault at start)."""
+    try:
+        built = frozenset(_stamp(binary).read_text().split())
+    except OSError:
+        return False
+    return built <= cpu_flags()
+
+
 def find_binary(explicit: Path | None = None) -> Path | None:
-    """``explicit``, else ``$AGENTKV_LLAMA_SERVER``, else `binary_in` (`default_dest`): the first one
-    given, if it is an executable file; None otherwise (a path given but absent is not replaced by
-    another one, so a benchmark never measures a binary it was not pointed at)."""
+    """``explicit``, else ``$AGENTKV_LLAMA_SERVER``, else `binary_in` (`default_dest`) if `build` made
+    it for this CPU: the first one given, if it is an executable file; None otherwise (a path given but
+    absent is not replaced by another one, so a benchmark never measures a binary it was not pointed at)."""
     env = os.environ.get(ENV_BINARY)
     path = explicit if explicit is not None else Path(env) if env else binary_in(default_dest())
+    if explicit is None and not env and not built_for_this_cpu(path):
+        return None
     return path if path.is_file() and os.access(path, os.X_OK) else None
 
 
@@ -125,11 +152,14 @@ def fetch_source(dest: Path) -> Path:
 def build(dest: Path | None = None) -> Path:
     """Fetch llama.cpp's source (`fetch_source`) and build ``llama-server`` for this CPU (cmake,
     Release, no curl); returns the binary. Takes 10+ minutes on 2 cores; cmake rebuilds nothing when
-    the binary is current."""
+    the binary is current, and everything when it was built for another CPU (the home folder moved to
+    another machine)."""
     dest = dest or default_dest()
     src = fetch_source(dest)
     if shutil.which("cmake") is None:
         raise PeerError("cmake is not installed (llama-server is built with cmake and a C++ compiler)")
+    if not built_for_this_cpu(binary_in(dest)):   # or built before the CPU was recorded
+        shutil.rmtree(src / "build", ignore_errors=True)
     for cmd in (["cmake", "-B", "build", *CMAKE_FLAGS],
                 ["cmake", "--build", "build", "--target", "llama-server", f"-j{cores()}"]):
         if subprocess.run(cmd, cwd=src).returncode != 0:
@@ -137,6 +167,7 @@ def build(dest: Path | None = None) -> Path:
     binary = binary_in(dest)
     if not binary.is_file():
         raise PeerError(f"the build finished but left no {binary}")
+    _stamp(binary).write_text(" ".join(sorted(cpu_flags())) + "\n")
     return binary
 
 

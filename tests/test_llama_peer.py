@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REAL
 
-from agentkv.benchmarks.llama_peer import (ENV_BINARY, LlamaServer, PeerError, binary_in, default_dest,
+from agentkv.benchmarks.llama_peer import (ENV_BINARY, LlamaServer, PeerError, binary_in, cpu_flags, default_dest,
                                            find_binary)
 from agentkv.server.embedded_model.catalog import model_dir
 
@@ -25,7 +25,7 @@ REUSE = 256
 def binary() -> Path:
     found = find_binary(None)
     if found is None:
-        pytest.skip(f"no llama-server binary (${ENV_BINARY} unset or absent, and none at "
+        pytest.skip(f"no llama-server binary (${ENV_BINARY} unset or absent, and none built for this CPU at "
                     f"{binary_in(default_dest())}): build it with `python -m agentkv.benchmarks.llama_peer build`")
     return found
 
@@ -182,7 +182,12 @@ def test_find_binary_defaults_to_the_build_location(tmp_path, monkeypatch):
     built = binary_in(tmp_path / "llama.cpp")
     built.parent.mkdir(parents=True)
     _executable(built)
+    assert find_binary(None) is None   # built before the CPU was recorded: unknown, not run
+    stamp = built.parent / "agentkv-cpu-flags.txt"
+    stamp.write_text(" ".join(sorted(cpu_flags())) + "\n")
     assert find_binary(None) == built
+    stamp.write_text(" ".join(sorted(cpu_flags() | {"an_instruction_set_this_cpu_lacks"})) + "\n")
+    assert find_binary(None) is None   # built on a CPU with more: it would die of an illegal instruction
 
 
 @pytest.mark.parametrize("kw", [{"ctx": 0}, {"cache_reuse": -1}])
