@@ -5,8 +5,10 @@ and forced tool calls come back parsed. Its build is deterministic and bad GGUF 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import anthropic
 import pytest
@@ -36,6 +38,19 @@ def test_capital_of_france_through_the_anthropic_client(real_server):
     client = anthropic.Anthropic(base_url=real_server.base_url, api_key=API_KEY, max_retries=0)
     msg = client.messages.create(model=REAL, max_tokens=24, messages=QUESTION, extra_body={"temperature": 0})
     assert "Paris" in "".join(b.text for b in msg.content if b.type == "text")
+
+
+def test_readmes_first_example_prints_what_it_says(real_server):
+    """README's first Python example, run as written against the default server (only its base URL
+    pointed at this one): it prints the answer its comment shows."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "chat.completions.create" in b)
+    shown = re.search(r"print\(.*\)\s+# (.+)", code).group(1).strip()
+    code = code.replace("http://127.0.0.1:8000/v1", f"{real_server.base_url}/v1")
+    code = code.replace('"unused-without---api-key"', repr(real_server.api_key))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == shown
 
 
 def test_the_built_generation_config_holds_the_model_cards_sampling(real_server):
