@@ -14,8 +14,9 @@ from pydantic import TypeAdapter
 
 from agentkv.server.pipeline.compaction_item import CompactionSeal, load_key
 from agentkv.server.errors import APIError
-from agentkv.server.api.responses.convert import to_chat_tool_choice, to_chat_tools, to_messages, to_usage
-from agentkv.server.api.responses.encode import EventStream, OutputBuilder, finish_response, whole_message_delta
+from agentkv.server.api.responses.convert import to_chat_tool_choice, to_chat_tools, to_messages
+from agentkv.server.api.responses.encode import (EventStream, OutputBuilder, finish_response, to_usage,
+                                                 whole_message_delta)
 
 SEAL = CompactionSeal(b"k" * 32)
 EVENT = TypeAdapter(ResponseStreamEvent)

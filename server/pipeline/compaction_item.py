@@ -193,8 +193,3 @@ class CompactionSeal:
             raise APIError(400, "the compaction item was made for another API key", param=param,
                            code="invalid_encrypted_content")
         return data["messages"]
-
-
-def seal_of(state) -> CompactionSeal:
-    """The app's seal (``state``: the app's state; its key is loaded when the app is made)."""
-    return state.compaction_seal

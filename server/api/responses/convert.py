@@ -1,5 +1,7 @@
-"""OpenAI Responses items <-> OpenAI chat messages, so the Responses API runs on the same context
-management and engine step as chat (converted once per request, like /v1/messages).
+"""OpenAI Responses requests in chat terms, so the Responses API runs on the same context
+management and engine step as chat (converted once per request, like /v1/messages): the request's
+fields as the engine's chat request (``to_chat``), its input items as chat messages
+(``conversation``, ``to_messages``).
 
 Input items, in order:
 - a string: one user message;
@@ -26,10 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from ....compaction.prompt import Message
 from ...errors import APIError
+from ...pipeline.compaction_item import CompactionSeal
+from ...pipeline.sessions import SessionRef
+from .protocol import NOT_SENT, CompactRequest, ResponsesRequest
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -210,15 +216,91 @@ def to_chat_tool_choice(choice: str | dict | None, tools: ChatTools) -> str | di
                         "this server runs no hosted tools", param="tool_choice")
 
 
-def to_usage(usage: dict | None) -> dict | None:
-    """Chat usage as Responses usage. ``cache_write_tokens``: the prompt tokens the engine computed
-    (vLLM's prefix cache keeps every prompt block it computes)."""
-    if not usage:
+@dataclass
+class ChatRequest:
+    """A Responses request in chat terms, less its conversation."""
+
+    model: str
+    tools: ChatTools
+    body: dict[str, Any]   # the engine's chat request, less messages and tools
+
+
+def _refuse_unsupported(req: ResponsesRequest) -> None:
+    for name, bad in (("background", req.background), ("conversation", req.conversation), ("prompt", req.prompt),
+                      ("top_logprobs", req.top_logprobs)):
+        if bad:
+            raise APIError(400, f"{name} is not supported by this server", param=name)
+
+
+def _response_format(text: dict | None) -> dict | None:
+    fmt = (text or {}).get("format")
+    if fmt is None:
         return None
-    prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
-    return {"input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": max(0, prompt - cached)},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
-            "total_tokens": prompt + completion}
+    if not isinstance(fmt, dict):
+        raise APIError(400, "text.format must be an object", param="text.format")
+    if fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    raise APIError(400, "text.format.type must be text, json_object or json_schema", param="text.format.type")
+
+
+def _chat_body(req: ResponsesRequest, model: str, tools: ChatTools) -> dict:
+    """The chat request for the engine, less its messages and tools."""
+    extra = {k: v for k, v in (req.model_extra or {}).items() if k not in NOT_SENT}
+    body: dict[str, Any] = {**extra, "model": model}
+    choice = to_chat_tool_choice(req.tool_choice, tools)
+    if choice is not None:
+        body["tool_choice"] = choice
+    for ours, theirs in (("parallel_tool_calls", "parallel_tool_calls"), ("max_output_tokens", "max_completion_tokens"),
+                         ("temperature", "temperature"), ("top_p", "top_p")):
+        if getattr(req, ours) is not None:
+            body[theirs] = getattr(req, ours)
+    if req.reasoning and req.reasoning.effort:
+        body["reasoning_effort"] = req.reasoning.effort
+    fmt = _response_format(req.text)
+    if fmt:
+        body["response_format"] = fmt
+    return body
+
+
+def to_chat(req: ResponsesRequest, served_model: str) -> ChatRequest:
+    """The request's fields in chat terms, every one checked (a 400 naming it) before anything is logged."""
+    _refuse_unsupported(req)
+    model = req.model or served_model
+    tools = to_chat_tools(req.tools)
+    return ChatRequest(model, tools, _chat_body(req, model, tools))
+
+
+def after_header(messages: list[Message]) -> list[Message]:
+    """The messages after the leading system and developer ones."""
+    i = 0
+    while i < len(messages) and messages[i].get("role") in HEADER_ROLES:
+        i += 1
+    return messages[i:]
+
+
+@dataclass
+class Conversation:
+    """A request's conversation: the session it continues, the messages stored before it (a
+    ``previous_response_id``'s), its input converted, and the messages the engine sees."""
+
+    ref: SessionRef
+    prior: list[Message]
+    converted: Converted
+    messages: list[Message]
+
+
+def conversation(req: ResponsesRequest | CompactRequest, ref: SessionRef, prior: list[Message],
+                 seal: CompactionSeal, owner: str) -> Conversation:
+    """``instructions`` as a system message, then ``prior`` and the input (compaction items opened with
+    ``seal``, this caller's only); a request with nothing to answer is a 400."""
+    converted = to_messages(req.input, partial(seal.open, owner), prior)
+    system: list[Message] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    messages = system + converted.messages
+    if not after_header(messages) and not converted.trigger:
+        raise APIError(400, "the request has no input", param="input")
+    return Conversation(ref, prior, converted, messages)

@@ -1,5 +1,6 @@
-"""OpenAI Responses encoding of the shared turn (``pipeline.turn``): output items built
-from chat deltas, the server-sent event sequence, and the final Response object.
+"""OpenAI Responses encoding of the shared turn (``pipeline.turn``): the Response object (as it
+starts, echoing the request, and as it ends), output items built from chat deltas, and the
+server-sent event sequence.
 
 Streamed, events go out as the engine's chunks arrive, each with its ``sequence_number``:
 ``response.created``, ``response.in_progress``, then per output item ``response.output_item.added``,
@@ -24,9 +25,39 @@ from ...metrics import observe_usage
 from ...pipeline.engine_call import Refusal
 from ...pipeline.turn import Turn
 from ..ids import new_id
-from .convert import to_usage
+from .convert import ChatRequest
+from .protocol import ECHOED, ResponsesRequest
 
 EventFields = dict[str, Any]
+
+
+def start(req: ResponsesRequest, model: str) -> dict:
+    """The Response object as it starts (``in_progress``), echoing the request."""
+    extra = req.model_extra or {}
+    return {"id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
+            "background": False, "error": None, "incomplete_details": None, "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens, "model": model, "output": [],
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id, "prompt_cache_key": req.prompt_cache_key,
+            "reasoning": req.reasoning.model_dump() if req.reasoning else {"effort": None, "summary": None},
+            "store": req.store, "temperature": req.temperature, "text": req.text or {"format": {"type": "text"}},
+            "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_p": req.top_p,
+            "truncation": req.truncation or "disabled", "usage": None, "metadata": req.metadata or {},
+            **{k: extra[k] for k in ECHOED if k in extra}}
+
+
+def to_usage(usage: dict | None) -> dict | None:
+    """Chat usage as Responses usage. ``cache_write_tokens``: the prompt tokens the engine computed
+    (vLLM's prefix cache keeps every prompt block it computes)."""
+    if not usage:
+        return None
+    prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": max(0, prompt - cached)},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
+            "total_tokens": prompt + completion}
 
 
 class OutputBuilder:
@@ -180,6 +211,15 @@ class Answer:
     head: list[dict]
     namespaces: dict[str, tuple[str, str]]
     done: Callable[[dict], Awaitable[None]]
+
+
+def answer_for(req: ResponsesRequest, chat: ChatRequest, head: list[dict],
+               done: Callable[[dict], Awaitable[None]]) -> Answer:
+    """The answer to ``req`` to come: the model's items after those of ``head``; ``done`` gets the
+    finished response."""
+    response = start(req, chat.model)
+    response["tools_not_offered"] = chat.tools.not_offered
+    return Answer(response, head, chat.tools.namespaces, done)
 
 
 def refusal(r: Refusal, turn: Turn) -> JSONResponse:
