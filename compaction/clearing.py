@@ -5,11 +5,14 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .config import ClearToolUses
 from .edits import PromptEdit, diff_edits
 from .groups import ToolUse, tool_uses
 from .prompt import Message, PromptRenderer, content_text as _text
+
+if TYPE_CHECKING:
+    from .edit_kinds.clear_tool_uses import ClearToolUses
 
 CLEARED = "[cleared tool result]"
 MAX_ARGS_CHARS = 200

@@ -15,13 +15,11 @@ than ``MIN_ROOM`` of the window is said once (``room_warning``) instead of thras
 
 from __future__ import annotations
 
-from typing import Annotated
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .config import ClearThinking, ClearToolUses, Compact
+from .edit_kinds import ClearToolUses, Compact, EditKind, edit_union
 
-Edit = Annotated[ClearToolUses | ClearThinking | Compact, Field(discriminator="type")]
+Edit = edit_union()   # one entry of ``edits``: the registered kinds (``edit_kinds``), told apart by ``type``
 
 
 class ContextManagement(BaseModel):
@@ -33,9 +31,10 @@ class ContextManagement(BaseModel):
 
     @field_validator("edits")
     @classmethod
-    def _thinking_first(cls, edits: list) -> list:
-        if any(isinstance(e, ClearThinking) for e in edits[1:]):
-            raise ValueError("clear_thinking must be the first edit")
+    def _first(cls, edits: list[EditKind]) -> list[EditKind]:
+        for e in edits[1:]:   # clear_thinking: Anthropic's rule
+            if e.must_be_first:
+                raise ValueError(f"{e.NAME} must be the first edit")
         return edits
 
 
@@ -68,10 +67,9 @@ def left_to_summary(edit: ClearToolUses, tokens_before: int, tokens_after: int, 
     made now it would fire again on every turn, each time clearing a little; it waits while the
     prompt is under a later ``compact`` edit's trigger (and the window), so nothing overflows. At
     that trigger the batch is made before the summary (less to summarize; the prompt still shrinks
-    if the summary fails). Anthropic's own ``clear_tool_uses`` (no ``clear_to``) never waits."""
-    if edit.clear_to is None or edit.trigger.type != "input_tokens" or not edit.trigger.reached(tokens_after, 0):
-        return False
-    return any(tokens_before < min(e.trigger, window or e.trigger) for e in policy.edits if isinstance(e, Compact))
+    if the summary fails). Anthropic's own ``clear_tool_uses`` (no ``clear_to``) never waits.
+    (``ClearToolUses.left_to_summary``, each later edit's ``defers_clearing``.)"""
+    return edit.left_to_summary(tokens_before, tokens_after, policy.edits, window)
 
 
 def room_warning(window: int, fixed: int) -> str | None:
@@ -84,13 +82,13 @@ def room_warning(window: int, fixed: int) -> str | None:
 
 def with_defaults(requested: ContextManagement | None, default: ContextManagement | None) -> ContextManagement | None:
     """The policy a request runs. No ``context_management``: the server default. ``{"edits": []}``:
-    no management. Edits that name clearing or compaction: exactly those. Edits that name neither
-    (Claude Code sends ``clear_thinking`` alone on every request): those, then the server default's
-    clearing and compaction, so asking for one unrelated edit does not switch the default off."""
+    no management. Edits that name a kind the default has (clearing, compaction): exactly those.
+    Edits that name none (Claude Code sends ``clear_thinking`` alone on every request): those, then
+    the server default's, so asking for one unrelated edit does not switch the default off."""
     if requested is None:
         return default
     if not requested.edits or default is None:
         return requested
-    if any(isinstance(e, (ClearToolUses, Compact)) for e in requested.edits):
+    if {type(e) for e in requested.edits} & {type(e) for e in default.edits}:
         return requested
     return ContextManagement(edits=list(requested.edits) + list(default.edits))

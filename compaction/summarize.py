@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from .config import Compact
 from .groups import sized_groups
 from .prompt import Message, PromptRenderer, content_text as _text
+
+if TYPE_CHECKING:
+    from .edit_kinds.compact import Compact
 
 SUMMARY = "[conversation summary]"
 NOTE_START, NOTE_END = "<handoff_note>", "</handoff_note>"
@@ -38,6 +40,11 @@ class ModelClient(Protocol):
     a ``cache_salt`` keyword: the prefix-cache namespace of the request)."""
 
     def complete(self, messages: list[Message], max_tokens: int) -> str: ...
+
+
+class SummaryPending(Exception):
+    """A ``ModelClient`` that writes its summaries outside the step asking for them (the server's
+    context step) has none for this request yet: not a failed edit, it goes up to the caller."""
 
 
 class OpenAIModelClient:

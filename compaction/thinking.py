@@ -10,9 +10,12 @@ engine no longer receives that reasoning.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .config import ClearThinking
 from .prompt import Message, PromptRenderer
+
+if TYPE_CHECKING:
+    from .edit_kinds.clear_thinking import ClearThinking
 
 REASONING_KEYS = ("reasoning", "reasoning_content")
 

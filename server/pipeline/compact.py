@@ -4,7 +4,7 @@ message, for the requests that ask for it outright rather than by a threshold (t
 
 from __future__ import annotations
 
-from ...compaction.config import Compact
+from ...compaction.edit_kinds import Compact
 from ...compaction.policy import ContextManagement, summary_limit
 from ...compaction.prompt import Message
 from ...compaction.summarize import is_summary
@@ -33,8 +33,8 @@ def summary_of(prepared: Prepared) -> Message | None:
 
 
 def fired(prepared: Prepared) -> dict | None:
-    """The report of the summary written in this request, if one was."""
-    return next((e for e in prepared.report["applied_edits"] if e["type"] == "compact"), None)
+    """The report of the summary agentkv's own ``compact`` wrote in this request, if one did."""
+    return next((e for e in prepared.report["applied_edits"] if e["type"] == Compact.NAME), None)
 
 
 async def compact_now(state, ctx, owner: str, ref: SessionRef, conversation: list[Message],

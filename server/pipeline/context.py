@@ -21,13 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...compaction.clearing import clear_tool_uses
-from ...compaction.config import ClearThinking, ClearToolUses, Compact
-from ...compaction.policy import ContextManagement, default_policy, left_to_summary, with_defaults
+from ...compaction.edit_kinds import EditKind, EditStep, Failed
+from ...compaction.edits import PromptEdit
+from ...compaction.policy import ContextManagement, default_policy, with_defaults
 from ...compaction.prompt import Message, PromptRenderer, one_step
 from ...compaction.prompt_segments import SegmentCache
-from ...compaction.summarize import ModelClient, summarize
-from ...compaction.thinking import clear_thinking
+from ...compaction.summarize import ModelClient
 from .. import timing
 from .sessions import SessionRef, Sessions, ViewState
 from ...kernels.connector.params import prompt_hash
@@ -43,10 +42,10 @@ class Prepared:
     session_id: str         # its public id (X-Session-Id)
     messages: list[Message]
     report: dict[str, Any]
-    edits: list  # PromptEdit of clearing in this request, against the pre-clearing view prompt
+    edits: list[PromptEdit]  # of clearing in this request, against the pre-clearing view prompt
     old_ids: list[int]      # the pre-clearing view prompt (when clearing edited it)
     compaction: Message | None = None  # the summary a compact edit wrote in this request
-    compact_edit: Compact | None = None  # ... and that edit
+    compact_edit: EditKind | None = None  # ... and that edit
     prompt_ids: list[int] = field(default_factory=list)  # the final view prompt (want_ids: bench front)
     branch: str = ""        # the conversation branch's key (its view state): what KV reuse holds blocks for
     moved: bool = False     # moved K/V may be in this request's prompt (the branch's, or this request's edit)
@@ -62,10 +61,10 @@ class _Run:
     where: list[int]
     applied: list[dict] = field(default_factory=list)
     failed: list[dict] = field(default_factory=list)
-    kv_edits: list = field(default_factory=list)
+    kv_edits: list[PromptEdit] = field(default_factory=list)
     old_ids: list[int] = field(default_factory=list)
     summary: Message | None = None
-    compact_edit: Compact | None = None
+    compact_edit: EditKind | None = None
 
 
 def is_compaction(message: Message) -> bool:
@@ -128,61 +127,40 @@ class ContextManager:
               policy: ContextManagement | None, history: list[Message], notes_key: str | None, window: int | None,
               summarizer: ModelClient | None = None) -> _Run:
         """Run the policy's edits on ``run.view``, recording what replaces which conversation
-        message in ``state``. Compact edits run only with ``notes_key`` (a session to write to) and
-        a ``summarizer`` (``SummaryNeeded`` from it goes up)."""
+        message in ``state``. Each edit does its own part (``compaction.edit_kinds``); what it did
+        is recorded here, the same for every kind. Summaries are written only with ``notes_key``
+        (a session to write to) and a ``summarizer`` (``SummaryNeeded`` from it goes up)."""
+        if policy is None:
+            return run
+        step = EditStep(renderer, tools, policy.edits, window, history, notes_key,
+                        None if notes_key is None else functools.partial(self._notes, notes_key), summarizer)
         tokens_moved = False  # an edit changed tokens before clearing's: its KV edits no longer apply
-        for edit in policy.edits if policy else []:
-            view, where = run.view, run.where
-            if isinstance(edit, ClearThinking):
-                r = clear_thinking(view, renderer, edit, tools)
-                if not r.cleared_turns:
-                    continue
-                for i, (a, b) in enumerate(zip(view, r.messages)):
-                    if a is not b:
-                        state.replaced[where[i]] = b
-                run.view = r.messages
-                tokens_moved = r.cleared_tokens > 0
-                run.applied.append({"type": edit.type, "cleared_thinking_turns": r.cleared_turns,
-                                    "cleared_input_tokens": r.cleared_tokens})
-            elif isinstance(edit, ClearToolUses):
-                r = clear_tool_uses(view, renderer, edit, tools,
-                                    wait=functools.partial(left_to_summary, edit, policy=policy, window=window))
-                if not r.edits:
-                    continue
-                for i in {e.message_index for e in r.edits}:
-                    state.replaced[where[i]] = r.messages[i]
-                run.kv_edits, run.old_ids = ([], []) if tokens_moved else (r.edits, r.old_ids)
-                run.view = r.messages
-                run.applied.append({"type": edit.type, "cleared_tool_uses": r.cleared_tool_uses,
-                                    "cleared_input_tokens": r.cleared_tokens,
-                                    "edits": [e.as_dict() for e in r.edits]})
-            elif notes_key is not None and summarizer is not None:
-                if renderer.count(view, tools) < edit.trigger:  # no summary: the log's notes not read
-                    continue
-                notes = [f"{kind}: {text}" for kind, text in self.sessions.log.notes(notes_key)]
-                try:
-                    r = summarize(view, renderer, edit, summarizer, tools, notes, history=history,
-                                  window=window)
-                except SummaryNeeded:
-                    raise
-                except Exception as exc:  # the summarizer's call failed: serve the request uncompacted
-                    log.warning("session %s: summary failed: %s", notes_key, exc)
-                    run.failed.append({"type": edit.type, "error": f"{exc.__class__.__name__}: {exc}"[:500]})
-                    continue
-                if not r.summarized_messages:
-                    continue
-                head = next(i for i, m in enumerate(r.messages) if m is not view[i])
-                cut = len(view) - (len(r.messages) - head - 1)
-                state.summary, state.summary_start = r.messages[head], where[head]
+        for edit in policy.edits:
+            out = edit.apply(run.view, step)
+            if out is None:
+                continue
+            if isinstance(out, Failed):
+                run.failed.append(out.report)
+                continue
+            where = run.where
+            for i in out.replaced:
+                state.replaced[where[i]] = out.messages[i]
+            if out.summary is not None:
+                head, cut = out.summary
+                state.summary, state.summary_start = out.messages[head], where[head]
                 state.summary_end = where[cut] if cut < len(where) else len(history)
                 run.where = where[:head + 1] + where[cut:]
-                run.view = r.messages
-                run.kv_edits, run.old_ids = [], []  # a summary rewrites the prompt from `head` on
-                run.summary, run.compact_edit = r.messages[head], edit
-                run.applied.append({"type": edit.type, "summarized_messages": r.summarized_messages,
-                                    "summary_tokens": r.summary_tokens,
-                                    "cleared_input_tokens": r.tokens_before - r.tokens_after})
+                run.summary, run.compact_edit = out.messages[head], edit
+            if out.kv_edits is not None:
+                run.kv_edits, run.old_ids = ([], []) if tokens_moved else (out.kv_edits, out.old_ids)
+            tokens_moved = tokens_moved or out.moves_tokens
+            run.view = out.messages
+            run.applied.append(out.report)
         return run
+
+    def _notes(self, key: str) -> list[str]:
+        """The session's notes, as a summary copies them."""
+        return [f"{kind}: {text}" for kind, text in self.sessions.log.notes(key)]
 
     def prepare(self, owner: str, ref: SessionRef, messages: list[Message], tools: list | None,
                 policy: ContextManagement | None, window: int | None = None,

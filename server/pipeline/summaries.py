@@ -15,10 +15,10 @@ import threading
 from collections import OrderedDict
 
 from ...compaction.prompt import Message, message_key
-from ...compaction.summarize import ModelClient
+from ...compaction.summarize import ModelClient, SummaryPending
 
 
-class SummaryNeeded(Exception):
+class SummaryNeeded(SummaryPending):
     """A compact edit would fire and its summary is not written yet: the step calls the model, and
     belongs off the event loop and outside the session's transaction."""
 

@@ -212,7 +212,7 @@ class EventStream:
 def compaction_of(prepared: Prepared) -> dict | None:
     """The summary a ``compact_20260112`` edit wrote in this request (its block leads the answer)."""
     edit = prepared.compact_edit
-    return prepared.compaction if edit is not None and edit.type == "compact_20260112" else None
+    return prepared.compaction if edit is not None and edit.compaction_block else None
 
 
 def refusal(r: Refusal, turn: Turn) -> JSONResponse:
