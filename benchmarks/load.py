@@ -23,6 +23,7 @@ import uuid
 
 import numpy as np
 
+from ..server.kv_modes import kv_mode
 from ..server.options import KV_MODES
 from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, pyplot, write_results
 
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     if sessions < 1 or turns < 1 or sessions * turns > 10_000:
         ap.error("--sessions and --turns must be >= 1, with at most 10,000 requests in all")
     # a 2k window when we start the server: clearing fires within a few turns
-    serve = ("--max-model-len", "2048") + (("--kv-reuse", "shift") if args.kv_reuse != "recompute" else ())
+    serve = ("--max-model-len", "2048") + (("--kv-reuse", "shift") if kv_mode(args.kv_reuse).uses_connector else ())
     with Endpoint(args.url, args.api_key, serve_args=serve) as ep:
         model = ep.model()["id"]
         res = asyncio.run(measure(ep.url, ep.api_key, model, sessions, turns, args.tool_lines, args.max_tokens,

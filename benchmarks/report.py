@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from ..server.kv_modes import kv_mode
 from .front import extra_ms, ratio
 from .harness import RESULTS, machine_line
 from .replicas import per_replica
@@ -133,7 +134,7 @@ def _load(r: dict) -> str:
             "requests with clearing", "logs complete"]
     row = [f"{r['sessions']} x {r['turns']}", r["requests"], r["errors"], r["requests_per_s"], r["latency_p50_s"],
            r["latency_p99_s"], r["requests_with_clearing"], f"{r['logs_complete']}/{r['sessions']}"]
-    if r.get("kv_reuse", "recompute") != "recompute":   # what the KV connector did with the edits
+    if kv_mode(r.get("kv_reuse", "recompute")).uses_connector:   # what the KV connector did with the edits
         cols += ["kv_reuse", "KV edits", "KV reused tokens", "KV fallbacks (reason: edits)"]
         row += [r["kv_reuse"], r["kv_edits"], r["kv_reused_tokens"],
                 _reasons(r["kv_fallbacks"])]

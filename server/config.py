@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..compaction.log.open import is_postgres_url
 from .embedded_model.names import DEFAULT_MODEL
+from .kv_modes import kv_mode
 from .options import BlendStrategy, EngineInputMode, KVMode
 
 
@@ -163,7 +164,8 @@ class ServeConfig(BaseModel):
 
     @property
     def kv_connector(self) -> bool:
-        return self.kv_reuse != "recompute"
+        """Whether vLLM runs agentkv's KV connector: the server's default mode uses it."""
+        return kv_mode(self.kv_reuse).uses_connector
 
     @property
     def session_db_path(self) -> str:

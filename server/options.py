@@ -1,5 +1,5 @@
 """agentkv's own request fields, beside each API's, the engine fields the server alone decides, and
-the KV reuse modes: declared once.
+the KV reuse modes' names (each mode is a class of ``kv_modes``): declared once.
 
 Every API's request model takes ``AgentKVFields`` (``context_management`` is declared per API: it
 is also Anthropic's and OpenAI's own field, in their shapes); the server's config and the
@@ -17,8 +17,9 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from .errors import APIError
+from .kv_modes import mode_literal
 
-KVMode = Literal["recompute", "shift", "blend"]
+KVMode = mode_literal()   # the registered KV reuse modes (``kv_modes``): Literal["recompute", "shift", "blend"]
 KV_MODES: tuple[str, ...] = get_args(KVMode)
 BlendStrategy = Literal["tail", "cuts", "deviation"]
 EngineInputMode = Literal["tokens", "messages"]

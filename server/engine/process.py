@@ -14,7 +14,6 @@ import asyncio
 import ctypes
 import fcntl
 import importlib.metadata
-import json
 import logging
 import os
 import secrets
@@ -33,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from ..config import ServeConfig, agentkv_home, env_var
-from ...kernels.connector.params import transfer_config
+from ..kv_modes import kv_mode
 from .client import ENGINE_URL
 
 log = logging.getLogger("agentkv.engine")
@@ -202,8 +201,7 @@ def engine_args(cfg: ServeConfig, model_path: str, device: str, socket_path: str
         argv += ["--max-model-len", str(cfg.max_model_len)]
     if device == "cuda":
         argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
-    if cfg.kv_connector:
-        argv += ["--kv-transfer-config", json.dumps(transfer_config(cfg.kv_hold_fraction, cfg.kv_hold_ttl_s))]
+    argv += kv_mode(cfg.kv_reuse).engine_args(cfg)   # the KV connector, when the server's mode uses it
     if cfg.enforce_eager if cfg.enforce_eager is not None else device == "cpu":
         argv.append("--enforce-eager")
     return argv + list(cfg.engine_args)

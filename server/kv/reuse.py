@@ -9,7 +9,8 @@ connector beside the prompt. The connector, which sees vLLM's own token ids and 
 what it can move and moves it; the rest is computed by vLLM. Its outcome comes back with a
 non-streamed response (``kv_transfer_params``) and is counted in the engine's metrics either way.
 ``blend`` also recomputes a share of the moved tokens, chosen by a strategy (``kv_blend``), with
-passes run here before the request (see ``kv_blend``).
+passes run here before the request (see ``kv_blend``). What runs for which mode is the mode's
+(``server.kv_modes``); ``ReuseJob`` holds the edited request and runs the engine requests it asks for.
 """
 
 from __future__ import annotations
@@ -17,14 +18,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 from dataclasses import dataclass
 import hashlib
 import hmac
 import logging
 import secrets
 import time
+from typing import Any
 
+from ...compaction import edit_kinds
+from ...compaction.edits import PromptEdit
 from ...kernels.connector.params import Outcome, Params, Primed
+from ..config import ServeConfig
+from ..kv_modes import Recompute, kv_mode
 from ..metrics import KV_EDITS, KV_FALLBACKS, KV_PRIMED
 from ..options import KVBlend, KVMode
 from . import blend as kv_blend
@@ -53,57 +60,89 @@ def session_token(session: str) -> str:
 
 
 def _kv_reports(prepared) -> list[dict]:
-    return [e.setdefault("kv", {}) for e in prepared.report["applied_edits"] if e["type"].startswith("clear_tool_uses")]  # agentkv's name or Anthropic's
+    """The ``kv`` entries of the applied edits whose report carries the connector's part (clearing's)."""
+    return [e.setdefault("kv", {}) for e in prepared.report["applied_edits"] if edit_kinds.named(e["type"]).kv_report]
 
 
-async def attach(cfg, engine, body: dict, prepared, mode: KVMode | None, blend: KVBlend | None,
+@dataclass
+class ReuseJob:
+    """One edited request's KV reuse, as its mode (``kv_modes``) plans it: the engine requests a
+    mode may run before the edited one are this object's methods."""
+
+    cfg: ServeConfig
+    engine: Any                  # the engine's client (``engine.client.EngineClient``)
+    body: dict                   # the edited request
+    prepared: Any                # its context step's result (``pipeline.context.Prepared``)
+    edits: list[PromptEdit]      # clearing's edits, in prompt order
+    params: Params               # the edited request's instructions to the connector
+    options: KVBlend | None      # the request's ``kv_blend``
+    model_path: str | None       # the served model (the deviation probe loads its first layers)
+    salts: Salts
+
+    @functools.cached_property
+    def replacement_ids(self) -> list[int]:
+        """The placeholders' tokens, back to back (what the priming request computes)."""
+        return [t for e in self.edits for t in e.replacement_ids]
+
+    async def prime(self) -> Primed | None:
+        """The priming request: the shared prefix plus all placeholders back to back, held by the
+        connector beside the prompt; it reads the branch's cache as it was before this request."""
+        prepared = self.prepared
+        prime = {"model": self.body["model"], "prompt": prepared.old_ids[:self.edits[0].start] + self.replacement_ids,
+                 "max_tokens": 1,
+                 "kv_transfer_params": Params(self.params.session, prime=True, held=prepared.held).to_wire(),
+                 "cache_salt": self.salts.approximate if prepared.moved_before else self.salts.exact}
+        status, payload = await self.engine.post_json("/v1/completions", prime)
+        if status != 200:   # the connector then finds no priming prompt and says so
+            log.warning("session %s: priming request answered %s", prepared.session_id, status)
+            return None
+        return Primed.from_wire(payload.get("kv_transfer_params"))
+
+    async def blend(self, primed: Primed | None) -> tuple[int | None, dict]:
+        """Blend's passes (``kv_blend``), reading moved K/V (the approximate salt): the request's own
+        ``limit`` and what they did, for the edit's ``kv`` report."""
+        return await _blend(self.cfg, self.engine, self.body, self.params, self.prepared, self.edits,
+                            self.replacement_ids, primed, self.options or KVBlend(), self.model_path,
+                            self.salts.approximate)
+
+
+async def attach(cfg: ServeConfig, engine, body: dict, prepared, mode: KVMode | None, blend: KVBlend | None,
                  model_path: str | None, salts: Salts) -> None:
-    """Set the engine request's ``cache_salt`` and ``kv_transfer_params``; after clearing, run the
-    priming request (and blend's passes) first. ``mode`` / ``blend``: the request's, else the
-    server's; ``model_path``: the served model (the deviation probe loads its first layers).
+    """Set the engine request's ``cache_salt`` and ``kv_transfer_params``; after clearing, run what
+    the mode runs first (``KVReuseMode.primes``, ``refine``). ``mode`` / ``blend``: the request's,
+    else the server's; ``model_path``: the served model (the deviation probe loads its first layers).
     Records the edit in the report.
 
-    Salts: a request whose prompt may hold moved K/V (the connector on, ``shift``/``blend``, and a
-    shift/blend edit made in its branch, by it or before it) takes the branch's approximate salt,
+    Salts: a request whose prompt may hold moved K/V (the connector on, a mode that moves K/V, and
+    such an edit made in its branch, by it or before it) takes the branch's approximate salt,
     every other request the exact one; the priming request reads the branch's cache as it was
     before this request (exact until its first moved edit), blend's passes read moved K/V."""
-    mode = mode or cfg.kv_reuse
-    shifting = cfg.kv_connector and mode != "recompute"
-    body["cache_salt"] = salts.approximate if shifting and prepared.moved else salts.exact
+    reuse = kv_mode(mode or cfg.kv_reuse)
+    body["cache_salt"] = salts.approximate if reuse.moves(cfg) and prepared.moved else salts.exact
     if not cfg.kv_connector:
-        if mode != "recompute" and prepared.edits:
+        if reuse.uses_connector and prepared.edits:
             log.warning("kv_reuse %s asked (session %s), but this server runs without the KV connector "
-                        "(--kv-reuse recompute): recomputing", mode, prepared.session_id)
+                        "(--kv-reuse recompute): recomputing", reuse.name, prepared.session_id)
             KV_FALLBACKS.labels("connector_disabled").inc()
             for kv in _kv_reports(prepared):
-                kv.update(mode="recompute", requested=mode, fallback="connector_disabled")
+                kv.update(mode=Recompute.name, requested=reuse.name, fallback="connector_disabled")
         return
-    if mode == "recompute":
+    if not reuse.uses_connector:
         return
     params = Params(session_token(prepared.branch))
     if prepared.edits:
         edits = sorted(prepared.edits, key=lambda e: e.start)
         params = dataclasses.replace(params, spans=tuple((e.start, e.end, len(e.replacement_ids)) for e in edits),
                                      held=prepared.held)   # the branch's previous prompt: what is held
-        reps = [t for e in edits for t in e.replacement_ids]
-        primed = None
-        if reps or mode == "blend":   # blend plans with what the priming response says
-            prime = {"model": body["model"], "prompt": prepared.old_ids[:edits[0].start] + reps, "max_tokens": 1,
-                     "kv_transfer_params": Params(params.session, prime=True, held=prepared.held).to_wire(),
-                     "cache_salt": salts.approximate if prepared.moved_before else salts.exact}
-            status, payload = await engine.post_json("/v1/completions", prime)
-            if status != 200:   # the connector then finds no priming prompt and says so
-                log.warning("session %s: priming request answered %s", prepared.session_id, status)
-            else:
-                primed = Primed.from_wire(payload.get("kv_transfer_params"))
-        KV_EDITS.labels(mode).inc()
-        KV_PRIMED.inc(len(reps))
-        done = {"mode": mode, "primed_tokens": len(reps)}
-        if mode == "blend":
-            limit, report = await _blend(cfg, engine, body, params, prepared, edits, reps, primed,
-                                         blend or KVBlend(), model_path, salts.approximate)
-            params = dataclasses.replace(params, limit=limit)
-            done.update(report)
+        job = ReuseJob(cfg, engine, body, prepared, edits, params, blend, model_path, salts)
+        primed_tokens = len(job.replacement_ids)
+        primed = await job.prime() if reuse.primes(primed_tokens) else None
+        KV_EDITS.labels(reuse.name).inc()
+        KV_PRIMED.inc(primed_tokens)
+        done = {"mode": reuse.name, "primed_tokens": primed_tokens}
+        limit, report = await reuse.refine(job, primed)
+        params = dataclasses.replace(params, limit=limit)
+        done.update(report)
         for kv in _kv_reports(prepared):
             kv.update(done)
     body["kv_transfer_params"] = params.to_wire()

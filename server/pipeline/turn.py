@@ -23,6 +23,7 @@ from ...compaction.prompt import Message
 from ..config import ServeConfig
 from ..engine.client import EngineClient
 from ..kv import reuse as kv_reuse
+from ..kv_modes import kv_mode
 from ..options import AgentKVFields
 from . import cache_salt, server_tools, window
 from .context import EngineForm, Prepared, manage
@@ -116,10 +117,9 @@ async def prepare_turn(state, engine: EngineClient, ctx, owner: str, turn: TurnI
     tools = server_tools.with_server_tools(turn.tools) if on else turn.tools   # reserved names: 400 before logging
     fixed = window.fixed_part(ctx.renderer_for(owner), turn.conversation, tools, sup.max_model_len,
                               turn.engine_form, turn.param)
-    mode = turn.fields.kv_reuse or cfg.kv_reuse
+    mode = kv_mode(turn.fields.kv_reuse or cfg.kv_reuse)
     prepared = await manage(ctx, cfg, sup.max_model_len, owner, turn.session, turn.conversation, tools,
-                            turn.policy, fixed=fixed, engine_form=turn.engine_form,
-                            shifting=cfg.kv_connector and mode != "recompute",
+                            turn.policy, fixed=fixed, engine_form=turn.engine_form, shifting=mode.moves(cfg),
                             salt=cache_salt.exact(owner, None, cfg.shared_prefix_cache))
     body = {**turn.body, "messages": prepared.messages}
     if tools:
