@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -24,6 +24,7 @@ from .edge import Edge
 from .metrics import RequestMetrics, render
 from .pipeline.compaction_item import CompactionSeal, load_key
 from .pipeline.sessions import Sessions
+from .pipeline.state import AppState
 
 
 log = logging.getLogger("agentkv.app")
@@ -31,24 +32,20 @@ log = logging.getLogger("agentkv.app")
 
 def create_app(cfg: ServeConfig) -> FastAPI:
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        app.state.supervisor.start()
-        warm = asyncio.create_task(warm_context(app.state))
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.supervisor.start()
+        warm = asyncio.create_task(warm_context(state))
         yield
         warm.cancel()
-        await app.state.supervisor.stop()
+        await state.supervisor.stop()
 
     app = FastAPI(title="agentkv", version="0.1.0", lifespan=lifespan)
-    app.state.cfg = cfg
-    app.state.supervisor = Supervisor(cfg)
-    app.state.sessions = Sessions(open_session_log(cfg.session_db_path))
-    app.state.compaction_seal = CompactionSeal(load_key(path=cfg.compaction_key_file))
+    state = AppState(cfg, Supervisor(cfg), Sessions(open_session_log(cfg.session_db_path)),
+                     CompactionSeal(load_key(path=cfg.compaction_key_file))).install(app)
     if is_postgres_url(cfg.session_db_path) and not cfg.compaction_key_file:
         log.warning("the session log is on PostgreSQL, which replicas share, but --compaction-key-file is not set: "
                     "this replica signs compaction items with a key of its own (in $AGENTKV_HOME), and the other "
                     "replicas will refuse them; give every replica the same key file (README, \"Deployment\")")
-    app.state.context = None
-    app.state.context_lock = threading.Lock()
     install_error_handlers(app)
     app.add_middleware(Edge, max_bytes=int(cfg.max_request_mb * 2**20), keys=cfg.api_key)
     app.add_middleware(LastResort)

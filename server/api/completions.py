@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from ..edge import EdgeRoute
 from ..engine.client import EngineUnavailable, relay_stream, unavailable
 from ..pipeline import cache_salt
+from ..pipeline.state import app_state
 from .chat.protocol import CompletionRequest, forward_body
 from .deps import EngineDep, OwnerDep
 
@@ -17,7 +18,7 @@ router = APIRouter(prefix="/v1", route_class=EdgeRoute)
 
 @router.post("/completions")
 async def completions(req: CompletionRequest, request: Request, engine: EngineDep, owner: OwnerDep) -> Response:
-    cfg = request.app.state.cfg
+    cfg = app_state(request).cfg
     body = forward_body(req, cfg.model_name)
     body["cache_salt"] = cache_salt.exact(owner, req.cache_salt, cfg.shared_prefix_cache)
     try:

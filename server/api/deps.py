@@ -1,4 +1,5 @@
-"""FastAPI dependencies: the engine client (503 while it is not ready) and API-key auth.
+"""FastAPI dependencies: the engine client (503 while it is not ready), the context manager and
+API-key auth; the app's state they read is ``state.AppState``.
 
 All are ``async def``: FastAPI runs a plain ``def`` dependency in its thread pool, a thread hop per
 dependency per request; these never block (the context manager's one-time build runs in a thread).
@@ -17,12 +18,15 @@ from ..edge import OWNER, owner_of_key
 from ..errors import APIError
 from ..engine.client import EngineClient
 from ..engine.supervisor import Supervisor
+from ..pipeline.context import ContextManager
+from ..pipeline.state import AppState, app_state
+from ..render.engine_chat import EngineChat
 
 log = logging.getLogger(__name__)
 
 
 async def get_supervisor(request: Request) -> Supervisor:
-    return request.app.state.supervisor
+    return app_state(request).supervisor
 
 
 async def owner_of(request: Request) -> str:
@@ -31,7 +35,7 @@ async def owner_of(request: Request) -> str:
     namespaced by the owner, so one key never sees another's."""
     owner = (request.scope.get("state") or {}).get(OWNER)
     if owner is None:   # a route the edge did not guard: check here
-        keys = request.app.state.cfg.api_key
+        keys = app_state(request).cfg.api_key
         owner = owner_of_key(keys, request.headers.get("authorization", ""), request.headers.get("x-api-key", ""))
         if owner is None:
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
@@ -45,15 +49,15 @@ async def get_engine(sup: Annotated[Supervisor, Depends(get_supervisor)]) -> Eng
     return sup.client
 
 
-async def get_context(request: Request, engine: Annotated[EngineClient, Depends(get_engine)]):
+async def get_context(request: Request, engine: Annotated[EngineClient, Depends(get_engine)]) -> ContextManager:
     """The context manager, made once the engine is up (it needs the model's tokenizer)."""
-    state = request.app.state
-    if getattr(state, "context", None) is None:
-        await asyncio.to_thread(_make_context, state)
+    state = app_state(request)
+    if state.context is None:
+        return await asyncio.to_thread(_make_context, state)
     return state.context
 
 
-async def warm_context(state) -> None:
+async def warm_context(state: AppState) -> None:
     """Build the context manager (its tokenizer, transformers' import: seconds) while the engine
     starts, so the first request does not wait for it; a failure here is the first request's to report."""
     await state.supervisor.model_known.wait()
@@ -69,11 +73,10 @@ async def warm_context(state) -> None:
     gc.freeze()
 
 
-def _engine_chat(state):
+def _engine_chat(state: AppState) -> EngineChat | None:
     """vLLM's chat render for the engine the supervisor starts (None, said once, where it cannot be
     built: every prompt then goes to vLLM as messages and the front counts with transformers)."""
     from ..engine.process import engine_args, resolve_device
-    from ..render.engine_chat import EngineChat
 
     sup, cfg = state.supervisor, state.cfg
     try:
@@ -83,13 +86,12 @@ def _engine_chat(state):
         return None
 
 
-def _make_context(state) -> None:
-    if getattr(state, "context", None) is None:
+def _make_context(state: AppState) -> ContextManager:
+    if state.context is None:
         with state.context_lock:
-            if getattr(state, "context", None) is None:
+            if state.context is None:
                 from ...compaction.prompt import PromptRenderer
                 from ..engine.summarizer import EngineModelClient
-                from ..pipeline.context import ContextManager
                 from ..pipeline.engine_input import EngineInput
                 from ..render.engine_chat import counting_renderer
 
@@ -105,6 +107,6 @@ def _make_context(state) -> None:
 
 SupervisorDep = Annotated[Supervisor, Depends(get_supervisor)]
 EngineDep = Annotated[EngineClient, Depends(get_engine)]
-ContextDep = Annotated[object, Depends(get_context)]
+ContextDep = Annotated[ContextManager, Depends(get_context)]
 OwnerDep = Annotated[str, Depends(owner_of)]
 Authorized = Depends(owner_of)

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..engine.client import EngineUnavailable, unavailable
+from ..pipeline.state import app_state
 from .deps import EngineDep, OwnerDep
 
 router = APIRouter(prefix="/v1")
@@ -39,5 +40,5 @@ async def models(request: Request, engine: EngineDep, _: OwnerDep) -> Response:
     except EngineUnavailable as exc:
         return unavailable(exc)
     if status == 200 and "client_version" in request.query_params and isinstance(payload, dict):
-        payload["models"] = [codex_model_info(m, request.app.state.cfg.compact_at) for m in payload.get("data") or []]
+        payload["models"] = [codex_model_info(m, app_state(request).cfg.compact_at) for m in payload.get("data") or []]
     return JSONResponse(payload, status_code=status)

@@ -10,16 +10,19 @@ import asyncio
 
 from fastapi import APIRouter, Query, Request
 
+from ...compaction.log.session_log import SessionLog
 from .deps import OwnerDep
 from ..errors import APIError
 from ..pipeline.sessions import ViewState, session_key
+from ..pipeline.state import app_state
 
 router = APIRouter(prefix="/v1/sessions")
 
 
-async def _lookup(request: Request, owner: str, session_id: str):
+async def _lookup(request: Request, owner: str, session_id: str) -> tuple[SessionLog, str, str, int]:
+    """(the log, the session's storage key, its public id, its message count); 404 for none."""
     key, sid = session_key(owner, session_id)
-    log = request.app.state.sessions.log
+    log = app_state(request).sessions.log
     count = await asyncio.to_thread(log.count, key)
     if count == 0:
         raise APIError(404, f"no session {sid!r}", param="session_id", code="session_not_found")

@@ -10,8 +10,9 @@ from ...compaction.prompt import Message
 from ...compaction.summarize import is_summary
 from ..errors import APIError
 from . import cache_salt
-from .context import Prepared, manage
+from .context import ContextManager, EngineForm, Prepared, manage
 from .sessions import SessionRef
+from .state import AppState
 from .window import fixed_part
 
 
@@ -37,8 +38,8 @@ def fired(prepared: Prepared) -> dict | None:
     return next((e for e in prepared.report["applied_edits"] if e["type"] == Compact.NAME), None)
 
 
-async def compact_now(state, ctx, owner: str, ref: SessionRef, conversation: list[Message],
-                      tools: list | None, instructions: str | None = None, engine_form=None,
+async def compact_now(state: AppState, ctx: ContextManager, owner: str, ref: SessionRef, conversation: list[Message],
+                      tools: list | None, instructions: str | None = None, engine_form: EngineForm | None = None,
                       param: str = "messages") -> Prepared:
     """The conversation, logged, with its summary written; a summary that could not be written
     is a 503 (``compaction_failed``): the client asked for it and gets no silent no-op. A system

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...compaction.policy import ContextManagement
 from ...compaction.prompt import Message
@@ -26,10 +26,11 @@ from ..kv import reuse as kv_reuse
 from ..kv_modes import kv_mode
 from ..options import AgentKVFields
 from . import cache_salt, server_tools, window
-from .context import EngineForm, Prepared, manage
+from .context import ContextManager, EngineForm, Prepared, manage
 from .engine_call import Completion, EngineStream, Make, Refusal, completion, open_stream
 from .server_tools import ToolRunner
 from .sessions import SessionRef, session_ref
+from .state import AppState
 
 
 @dataclass
@@ -46,6 +47,15 @@ class TurnInput:
     param: str = "messages"            # the request field that holds the conversation (errors name it)
 
 
+class KVArgs(NamedTuple):
+    """What attaching KV reuse takes besides the turn (``kv.reuse.attach``)."""
+
+    cfg: ServeConfig
+    fields: AgentKVFields
+    model_path: str | None
+    owner: str
+
+
 @dataclass
 class Turn:
     """A prepared turn: the managed view and its report, and the engine request ready to send."""
@@ -54,7 +64,7 @@ class Turn:
     body: dict[str, Any]
     runner: ToolRunner | None
     engine: EngineClient
-    _kv: tuple | None   # (cfg, fields, model_path, owner) until KV reuse has been attached
+    _kv: KVArgs | None   # until KV reuse has been attached
     make: Make          # each engine request made of its chat body (``engine_input``)
     lowered: str | None = None   # the output limit, lowered to the room the prompt leaves
     room: str | None = None      # the system prompt and tools leave little of the window to manage
@@ -108,10 +118,11 @@ def session_of(headers: Mapping[str, str], fields: AgentKVFields, body: Mapping[
     return session_ref(headers, {**body, "session_id": fields.session_id})
 
 
-async def prepare_turn(state, engine: EngineClient, ctx, owner: str, turn: TurnInput) -> Turn:
+async def prepare_turn(state: AppState, engine: EngineClient, ctx: ContextManager, owner: str,
+                       turn: TurnInput) -> Turn:
     """Everything before the engine call, the same for every API. ``state``: the app's state
     (config, supervisor); ``ctx``: the context manager; ``owner``: the caller's key digest."""
-    cfg: ServeConfig = state.cfg
+    cfg = state.cfg
     sup = state.supervisor
     on = turn.fields.server_tools if turn.fields.server_tools is not None else cfg.server_tools
     tools = server_tools.with_server_tools(turn.tools) if on else turn.tools   # reserved names: 400 before logging
@@ -126,6 +137,7 @@ async def prepare_turn(state, engine: EngineClient, ctx, owner: str, turn: TurnI
         body["tools"] = tools
     lowered = window.fit_output(body, prepared.report["prompt_tokens_after"], sup.max_model_len, turn.param)
     runner = ToolRunner(ctx.sessions.log, prepared.key, cfg.max_server_tool_rounds, lowered is not None) if on else None
+    assert state.engine_input is not None   # made with the context manager (api.deps)
     make = state.engine_input.for_turn(body, turn.fields.engine_input, prepared.branch)
     room = window.room_header(sup.max_model_len, fixed) if cfg.context_management else None
-    return Turn(prepared, body, runner, engine, (cfg, turn.fields, sup.model_path, owner), make, lowered, room)
+    return Turn(prepared, body, runner, engine, KVArgs(cfg, turn.fields, sup.model_path, owner), make, lowered, room)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from ...compaction.policy import room_warning
-from ...compaction.prompt import Message
+from ...compaction.prompt import Message, PromptRenderer
 from ..errors import PromptTooLong
 from .context import EngineForm
 
@@ -22,7 +22,7 @@ HEADER = "X-Max-Tokens-Lowered"
 ROOM_HEADER = "X-Context-Room"
 
 
-def fixed_part(renderer, conversation: list[Message], tools: list | None, window: int | None,
+def fixed_part(renderer: PromptRenderer, conversation: list[Message], tools: list | None, window: int | None,
                engine_form: EngineForm | None, param: str) -> int:
     """The tokens of the leading system messages and tools (what no edit clears: the default
     policy's levels are set above it); a request whose fixed part fills the window is refused

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ...edge import EdgeRoute
+from ...pipeline.state import app_state
 from ...pipeline.turn import TurnInput, prepare_turn, session_of
 from ..deps import ContextDep, EngineDep, OwnerDep
 from . import encode
@@ -17,8 +18,9 @@ router = APIRouter(prefix="/v1", route_class=EdgeRoute)
 @router.post("/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request, engine: EngineDep,
                            owner: OwnerDep, ctx: ContextDep) -> Response:
-    body = forward_body(req, request.app.state.cfg.model_name)
+    state = app_state(request)
+    body = forward_body(req, state.cfg.model_name)
     messages, tools = body.pop("messages"), body.pop("tools", None)
-    turn = await prepare_turn(request.app.state, engine, ctx, owner, TurnInput(
+    turn = await prepare_turn(state, engine, ctx, owner, TurnInput(
         messages, tools, body, req, session_of(request.headers, req, body), req.context_management))
     return await (encode.stream if req.stream else encode.complete)(turn)

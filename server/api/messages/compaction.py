@@ -20,7 +20,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ...errors import APIError
 from ...pipeline.compact import compact_now, fired, summary_of
 from ...pipeline.compaction_item import CompactionSeal
-from ...pipeline.context import Prepared
+from ...pipeline.context import ContextManager, EngineForm, Prepared
+from ...pipeline.sessions import SessionRef
+from ...pipeline.state import AppState
 from .encode import compaction_message, sse
 
 
@@ -73,8 +75,8 @@ def check_blocks(seal: CompactionSeal, owner: str, messages: list[dict]) -> None
                       "returned last", "compaction_block_ambiguous", "messages")
 
 
-async def summarize(state, ctx, owner: str, session, conversation: list[dict], tools: list | None,
-                    instructions: str | None, engine_form) -> tuple[Prepared, dict]:
+async def summarize(state: AppState, ctx: ContextManager, owner: str, session: SessionRef, conversation: list[dict],
+                    tools: list | None, instructions: str | None, engine_form: EngineForm) -> tuple[Prepared, dict]:
     """(prepared, the signed block) of the conversation summarized whole."""
     prepared = await compact_now(state, ctx, owner, session, conversation, tools, instructions, engine_form)
     summary = summary_of(prepared)

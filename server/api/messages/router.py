@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from ...errors import APIError
 from ...options import require_utf8
 from ...edge import EdgeRoute
+from ...pipeline.state import AppState, app_state
 from ...pipeline.turn import TurnInput, prepare_turn, session_of
 from ..deps import ContextDep, EngineDep, OwnerDep
 from ..ids import take_route
@@ -42,8 +43,8 @@ def takes_images(model_path: str | None) -> bool:
         return False
 
 
-def _conversation(request: Request, body: dict) -> tuple[list, list | None]:
-    model_path = request.app.state.supervisor.model_path
+def _conversation(state: AppState, body: dict) -> tuple[list, list | None]:
+    model_path = state.supervisor.model_path
     return conversation(body.get("system"), body["messages"], takes_images(model_path)), \
         tools_to_openai(offered_tools(body.get("tools"), body["messages"]))
 
@@ -52,7 +53,7 @@ def _conversation(request: Request, body: dict) -> tuple[list, list | None]:
 async def messages(req: MessagesRequest, request: Request, engine: EngineDep, owner: OwnerDep,
                    ctx: ContextDep) -> Response:
     take_route(request.headers)   # this message's id routes the thread's continues
-    state = request.app.state
+    state = app_state(request)
     body = require_utf8(req.model_dump(exclude_unset=True))
     if req.thread is not None and req.compaction is not None:
         raise APIError(400, "thread cannot be combined with compaction: compact the conversation, then create a "
@@ -63,7 +64,7 @@ async def messages(req: MessagesRequest, request: Request, engine: EngineDep, ow
         on_demand.check_blocks(state.compaction_seal, owner, body["messages"])
         if req.compaction is not None:
             on_demand.check_request(body)
-        conv, tools = _conversation(request, body)
+        conv, tools = _conversation(state, body)
         model = req.model or state.cfg.model_name
         session = thread.session if thread and thread.session else session_of(request.headers, req, body)
         if req.compaction is not None:
@@ -91,7 +92,7 @@ async def count_tokens(req: _Conversation, request: Request, _owner: OwnerDep, c
     request's clearing edits applied; nothing is logged. With ``context_management``, also
     ``original_input_tokens`` (before the edits), as Anthropic answers."""
     body = require_utf8(req.model_dump(exclude_unset=True))
-    conv, tools = _conversation(request, body)
+    conv, tools = _conversation(app_state(request), body)
     after, before = await asyncio.to_thread(ctx.count, _owner, conv, tools, req.context_management, engine_message)
     out: dict[str, Any] = {"input_tokens": after}
     if req.context_management is not None:

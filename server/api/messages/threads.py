@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ....compaction.log.session_log import SessionLog
 from ...errors import APIError
 from ...pipeline.sessions import SessionRef
 
@@ -70,7 +71,7 @@ def _already_continued(previous: str) -> APIError:
                          "response", param="thread.previous_message_id", error_code="thread_already_continued")
 
 
-async def resume(log, owner: str, body: dict) -> Thread | None:
+async def resume(log: SessionLog, owner: str, body: dict) -> Thread | None:
     """The request's thread, its body completed from the stored one for a continue (messages,
     system, tools); None without ``thread``."""
     thread = body.get("thread")
@@ -117,7 +118,7 @@ class Claim:
     """A thread request in progress (a continue was marked in flight by ``resume``); ``done`` stores
     its finished response (or only lets go, for one that failed)."""
 
-    def __init__(self, log, thread: Thread):
+    def __init__(self, log: SessionLog, thread: Thread):
         self.log, self.thread, self.session_key = log, thread, ""
         self._open = True
 
@@ -137,7 +138,7 @@ class Claim:
             self.release()
 
 
-def _release(log, previous: str, holder: str) -> None:
+def _release(log: SessionLog, previous: str, holder: str) -> None:
     """Let go of a continue's claim, off the event loop (a database round trip) and without waiting
     for it: this runs on every way out of a request, cancellation included."""
     def release() -> None:
@@ -152,5 +153,5 @@ def _release(log, previous: str, holder: str) -> None:
         release()
 
 
-def claim(log, thread: Thread | None) -> Claim | None:
+def claim(log: SessionLog, thread: Thread | None) -> Claim | None:
     return None if thread is None else Claim(log, thread)

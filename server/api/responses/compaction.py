@@ -19,7 +19,8 @@ from ....compaction.summarize import is_summary
 from ...errors import APIError
 from ...pipeline.compact import compact_now, fired
 from ...pipeline.compaction_item import CompactionSeal
-from ...pipeline.context import Prepared
+from ...pipeline.context import ContextManager, Prepared
+from ...pipeline.state import AppState
 from ..ids import new_id
 from . import encode
 from .convert import ChatRequest, Conversation, after_header
@@ -50,7 +51,7 @@ def check_model(model: str, served: str) -> None:
         raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
-async def _compact(state, ctx, owner: str, conv: Conversation,
+async def _compact(state: AppState, ctx: ContextManager, owner: str, conv: Conversation,
                    tools: list[dict] | None) -> tuple[Prepared, dict, dict]:
     """(prepared, the compaction item, usage) of compacting the whole conversation."""
     prepared = await compact_now(state, ctx, owner, conv.ref, conv.messages, tools, param="input")
@@ -63,7 +64,7 @@ async def _compact(state, ctx, owner: str, conv: Conversation,
     return prepared, item, usage
 
 
-async def triggered(state, ctx, owner: str, req: ResponsesRequest, chat: ChatRequest,
+async def triggered(state: AppState, ctx: ContextManager, owner: str, req: ResponsesRequest, chat: ChatRequest,
                     conv: Conversation) -> Response:
     """The answer to an input ending with ``compaction_trigger``: a Response whose output is the
     compaction item alone (stored as any response is), JSON or its events."""
@@ -78,7 +79,7 @@ async def triggered(state, ctx, owner: str, req: ResponsesRequest, chat: ChatReq
     return JSONResponse(response, headers={"X-Session-Id": prepared.session_id})
 
 
-async def compact(state, ctx, owner: str, conv: Conversation) -> Response:
+async def compact(state: AppState, ctx: ContextManager, owner: str, conv: Conversation) -> Response:
     """``{id, object: "response.compaction", created_at, output: [the user's messages, the compaction
     item], usage}``. The user's messages are there as OpenAI returns them; sent back before the item,
     they are dropped like every item before it (the summary already copies them)."""

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ...edge import EdgeRoute
 from ...options import require_utf8
+from ...pipeline.state import app_state
 from ...pipeline.turn import TurnInput, prepare_turn
 from ..deps import ContextDep, EngineDep, OwnerDep
 from ..ids import take_route
@@ -31,7 +32,7 @@ router = APIRouter(prefix="/v1", route_class=EdgeRoute)
 async def create_response(req: ResponsesRequest, request: Request, engine: EngineDep, owner: OwnerDep,
                           ctx: ContextDep) -> Response:
     take_route(request.headers)   # this response's id routes its previous_response_id successors
-    state = request.app.state
+    state = app_state(request)
     require_utf8(req.model_dump(exclude_unset=True))
     chat = to_chat(req, state.cfg.model_name)              # every field is checked before anything is logged
     ref, prior = await continued(state.sessions.log, owner, req, request.headers)
@@ -50,7 +51,7 @@ async def create_response(req: ResponsesRequest, request: Request, engine: Engin
 async def compact_response(req: CompactRequest, request: Request, _: EngineDep, owner: OwnerDep,
                            ctx: ContextDep) -> Response:
     """The input compacted: its user messages and the compaction item (``compaction.compact``)."""
-    state = request.app.state
+    state = app_state(request)
     require_utf8(req.model_dump(exclude_unset=True))
     compaction.check_model(req.model, state.cfg.model_name)
     ref, prior = await continued(state.sessions.log, owner, req, request.headers)
@@ -60,4 +61,4 @@ async def compact_response(req: CompactRequest, request: Request, _: EngineDep, 
 @router.get("/responses/{response_id}")
 async def get_response(response_id: str, request: Request, owner: OwnerDep) -> Response:
     """A stored response (``store: true``) of the caller's own."""
-    return JSONResponse((await stored(request.app.state.sessions.log, owner, response_id, "response_id"))[1])
+    return JSONResponse((await stored(app_state(request).sessions.log, owner, response_id, "response_id"))[1])
