@@ -31,6 +31,7 @@ import msgspec
 import zstandard
 from fastapi import Request
 from fastapi.routing import APIRoute
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import error_body_for
 
@@ -86,10 +87,10 @@ class Refused(Exception):
 class Edge:
     """ASGI middleware doing the module's four steps (``keys``: the accepted API keys)."""
 
-    def __init__(self, app, max_bytes: int, keys: Sequence[str] = ()):
+    def __init__(self, app: ASGIApp, max_bytes: int, keys: Sequence[str] = ()):
         self.app, self.max_bytes, self.keys = app, max_bytes, tuple(keys)
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
@@ -115,7 +116,7 @@ class Edge:
             scope = {**scope, "headers": kept + [(b"content-length", str(len(body)).encode())]}
         await self.app(scope, self._replay(body, receive), send)
 
-    async def _body(self, receive, headers: dict) -> bytes | None:
+    async def _body(self, receive: Receive, headers: dict) -> bytes | None:
         """The whole body, decoded; None for a client that went away. ``Refused`` past the limit
         or for a body that does not decode."""
         encoding = headers.get(b"content-encoding", b"").strip().lower()
@@ -140,7 +141,7 @@ class Edge:
             raise self._too_large()
         return body
 
-    async def _read(self, receive) -> bytes | None:
+    async def _read(self, receive: Receive) -> bytes | None:
         """The whole body, or None if the client went away; reading stops past the limit (the result
         is then longer than it)."""
         parts, seen = [], 0
@@ -166,7 +167,7 @@ class Edge:
             raise Refused(400, f"the request body is not valid JSON ({exc})", "invalid_json") from None
 
     @staticmethod
-    def _replay(body: bytes, receive):
+    def _replay(body: bytes, receive: Receive) -> Receive:
         replayed = False
 
         async def replay():
@@ -198,7 +199,7 @@ class Edge:
         return Refused(413, f"request body exceeds {self.max_bytes} bytes", "request_too_large")
 
     @staticmethod
-    async def _error(scope, send, exc: Refused):
+    async def _error(scope: Scope, send: Send, exc: Refused) -> None:
         body = json.dumps(error_body_for(scope.get("path", ""), exc.status, exc.message, exc.param,
                                          code=exc.code)).encode()
         await send({"type": "http.response.start", "status": exc.status,

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .render.engine_chat import ConversationRefused
 
@@ -149,15 +150,15 @@ class LastResort:
     shape, never a dropped connection: a 500 error body, or, where a stream has started, the API's
     error event ending it (``stream_error_event``). The exception is logged with its traceback."""
 
-    def __init__(self, app):
+    def __init__(self, app: ASGIApp):
         self.app = app
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         started, events = False, False
 
-        async def send_(message):
+        async def send_(message: Message) -> None:
             nonlocal started, events
             if message["type"] == "http.response.start":
                 started = True

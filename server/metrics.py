@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import timing
 
@@ -44,16 +45,16 @@ class RequestMetrics:
     Pure ASGI: a streamed body passes through with one extra call per message (Starlette's
     ``BaseHTTPMiddleware`` moves every chunk through a memory stream and a task instead)."""
 
-    def __init__(self, app):
+    def __init__(self, app: ASGIApp):
         self.app = app
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         status, marks = None, timing.start()
         t0 = marks["arrived"]
 
-        async def send_(message):
+        async def send_(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
