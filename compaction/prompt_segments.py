@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger("agentkv.prompt")
+log = logging.getLogger(__name__)
 Message = dict[str, Any]
 RenderText = Callable[[list[Message], "list | None", bool], str]
 

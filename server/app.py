@@ -27,7 +27,7 @@ from .pipeline.sessions import Sessions
 from .pipeline.state import AppState
 
 
-log = logging.getLogger("agentkv.app")
+log = logging.getLogger(__name__)
 
 
 def create_app(cfg: ServeConfig) -> FastAPI:

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..compaction.log.open import is_postgres_url
 from .config import agentkv_home
 
-log = logging.getLogger("agentkv.home")
+log = logging.getLogger(__name__)
 
 PRIVATE_UMASK = 0o077  # files 0600, folders 0700
 _GROUP_OTHER = 0o077

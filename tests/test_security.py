@@ -141,7 +141,7 @@ def test_secure_home_tightens_what_is_there_and_leaves_link_targets(tmp_path, mo
     outside.chmod(0o644)
     (home / "link").symlink_to(outside)
     monkeypatch.setenv("AGENTKV_HOME", str(home))
-    with caplog.at_level(logging.WARNING, logger="agentkv.home"):
+    with caplog.at_level(logging.WARNING, logger="agentkv.server.home"):
         assert secure_home() == home.resolve()
     assert _modes(home) == {str(home): 0o700, str(home / "models"): 0o700, str(home / "models" / "m"): 0o700,
                             str(home / "sessions.db"): 0o600, str(home / "models" / "m" / "run.sh"): 0o700}

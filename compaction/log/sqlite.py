@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .session_log import SessionLog
 
-log = logging.getLogger("agentkv.session_log")
+log = logging.getLogger(__name__)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS messages (

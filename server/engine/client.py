@@ -20,7 +20,7 @@ from ..errors import error_body, error_response
 from .progress import Inflight
 
 
-log = logging.getLogger("agentkv.proxy")
+log = logging.getLogger(__name__)
 encode_json = msgspec.json.encode  # compact, UTF-8 (vLLM's own events are too), a few times faster than json
 
 

@@ -35,7 +35,7 @@ from ..config import ServeConfig, agentkv_home, env_var
 from ..kv_modes import kv_mode
 from .client import ENGINE_URL
 
-log = logging.getLogger("agentkv.engine")
+log = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):

@@ -19,7 +19,7 @@ from .client import EngineClient, EngineUnavailable
 from .process import EngineError, EngineProcess, resolve_device
 from .progress import DEFAULT_STALL_S, Inflight, ProgressWatch, look, tokens_of
 
-log = logging.getLogger("agentkv.supervisor")
+log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.5
 RESTART_WINDOW_S = 3600.0
 RELAUNCH_DELAY_S = 2.0  # after a relaunch that failed, before the next try

@@ -28,7 +28,7 @@ from .server_tools import ToolRunner
 
 PATH = "/v1/chat/completions"
 Make = Callable[[dict], Awaitable[dict]]   # the engine request made of a chat body (``engine_input``)
-log = logging.getLogger("agentkv.engine_call")
+log = logging.getLogger(__name__)
 
 
 async def as_is(body: dict) -> dict:

@@ -16,7 +16,7 @@ from ...compaction.prompt import Message, PromptRenderer
 from ..errors import PromptTooLong
 from .context import EngineForm
 
-log = logging.getLogger("agentkv.window")
+log = logging.getLogger(__name__)
 OUTPUT_LIMITS = ("max_tokens", "max_completion_tokens")   # the engine request's names (chat completions)
 HEADER = "X-Max-Tokens-Lowered"
 ROOM_HEADER = "X-Context-Room"

@@ -26,7 +26,7 @@ from ....compaction.log.session_log import SessionLog
 from ...errors import APIError
 from ...pipeline.sessions import SessionRef
 
-logger = logging.getLogger("agentkv.threads")
+logger = logging.getLogger(__name__)
 TTL_S = 300.0
 IN_FLIGHT_S = 600.0   # a continue still marked in flight after this long is taken as gone (a stream never started)
 KIND = "message_thread"
