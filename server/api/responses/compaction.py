@@ -13,7 +13,7 @@ import time
 
 from fastapi.responses import JSONResponse, Response
 
-from ....compaction.config import Compact
+from ....compaction.edit_kinds.compact import Compact
 from ....compaction.policy import ContextManagement, summary_limit
 from ....compaction.summarize import is_summary
 from ...errors import APIError
