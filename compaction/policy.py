@@ -15,11 +15,16 @@ than ``MIN_ROOM`` of the window is said once (``room_warning``) instead of thras
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .edit_kinds import ClearToolUses, Compact, EditKind, edit_union
 
-Edit = edit_union()   # one entry of ``edits``: the registered kinds (``edit_kinds``), told apart by ``type``
+if TYPE_CHECKING:
+    Edit = EditKind   # what a type checker can know of a union built at run time
+else:
+    Edit = edit_union()   # one entry of ``edits``: the registered kinds (``edit_kinds``), told apart by ``type``
 
 
 class ContextManagement(BaseModel):

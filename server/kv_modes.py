@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from ..kernels.connector.params import Primed, transfer_config
+from agentkv.kernels.connector.params import Primed, transfer_config
 
 if TYPE_CHECKING:
     from .config import ServeConfig

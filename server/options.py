@@ -11,7 +11,7 @@ the field, and ``cache_salt`` is combined with the server's own salt (``pipeline
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -19,7 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from .errors import APIError
 from .kv_modes import mode_literal
 
-KVMode = mode_literal()   # the registered KV reuse modes (``kv_modes``): Literal["recompute", "shift", "blend"]
+if TYPE_CHECKING:
+    KVMode = str   # what a type checker can know of a Literal built at run time: a mode's name
+else:
+    KVMode = mode_literal()   # the registered KV reuse modes (``kv_modes``): Literal["recompute", "shift", "blend"]
 KV_MODES: tuple[str, ...] = get_args(KVMode)
 BlendStrategy = Literal["tail", "cuts", "deviation"]
 EngineInputMode = Literal["tokens", "messages"]

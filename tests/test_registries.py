@@ -67,8 +67,9 @@ out = {}
 
 # the edge: the request models take the new kind by either name, as strictly as the others
 cm = {"edits": [{"type": "redact_word_20990101", "word": "hunter2"}]}
-out["parsed"] = type(ChatCompletionRequest.model_validate(
-    {"model": "m", "messages": [{"role": "user", "content": "hi"}], "context_management": cm}).context_management.edits[0]).__name__
+chat = ChatCompletionRequest.model_validate(
+    {"model": "m", "messages": [{"role": "user", "content": "hi"}], "context_management": cm})
+out["parsed"] = type(chat.context_management.edits[0]).__name__
 try:
     ContextManagement.model_validate({"edits": [{"type": "redact_word", "wrod": "x"}]})
 except ValidationError as e:

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, get_args
 
 from pydantic import BaseModel, ConfigDict
 
-from ..edits import PromptEdit
-from ..prompt import Message, PromptRenderer
+from agentkv.compaction.edits import PromptEdit
+from agentkv.compaction.prompt import Message, PromptRenderer
 
 if TYPE_CHECKING:
-    from ..summarize import ModelClient
+    from agentkv.compaction.summarize import ModelClient
 
 
 @dataclass

@@ -7,8 +7,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from ..prompt import Message
-from ..thinking import clear_thinking
+from agentkv.compaction.prompt import Message
+from agentkv.compaction.thinking import clear_thinking
+
 from .base import Applied, EditKind, EditStep
 from .fields import amount
 

@@ -8,8 +8,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from ..clearing import clear_tool_uses
-from ..prompt import Message
+from agentkv.compaction.clearing import clear_tool_uses
+from agentkv.compaction.prompt import Message
+
 from .base import Applied, EditKind, EditStep
 from .fields import Trigger, amount
 

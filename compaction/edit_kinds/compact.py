@@ -8,8 +8,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ..prompt import Message
-from ..summarize import SummaryPending, summarize
+from agentkv.compaction.prompt import Message
+from agentkv.compaction.summarize import SummaryPending, summarize
+
 from .base import Applied, EditKind, EditStep, Failed
 from .fields import amount
 

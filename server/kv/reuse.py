@@ -25,7 +25,7 @@ import hmac
 import logging
 import secrets
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ...compaction import edit_kinds
 from ...compaction.edits import PromptEdit
@@ -35,6 +35,10 @@ from ..kv_modes import Recompute, kv_mode
 from ..metrics import KV_EDITS, KV_FALLBACKS, KV_PRIMED
 from ..options import KVBlend, KVMode
 from . import blend as kv_blend
+
+if TYPE_CHECKING:
+    from ..engine.client import EngineClient
+    from ..pipeline.context import Prepared
 
 _KEY = secrets.token_bytes(32)   # session tokens are unguessable by clients
 # the deviation probe runs a model layer on the front's CPU: on a thread of its own (never the pool
@@ -61,7 +65,8 @@ def session_token(session: str) -> str:
 
 def _kv_reports(prepared) -> list[dict]:
     """The ``kv`` entries of the applied edits whose report carries the connector's part (clearing's)."""
-    return [e.setdefault("kv", {}) for e in prepared.report["applied_edits"] if edit_kinds.named(e["type"]).kv_report]
+    return [e.setdefault("kv", {}) for e in prepared.report["applied_edits"]
+            if (kind := edit_kinds.named(e["type"])) is not None and kind.kv_report]
 
 
 @dataclass
@@ -70,9 +75,9 @@ class ReuseJob:
     mode may run before the edited one are this object's methods."""
 
     cfg: ServeConfig
-    engine: Any                  # the engine's client (``engine.client.EngineClient``)
+    engine: EngineClient
     body: dict                   # the edited request
-    prepared: Any                # its context step's result (``pipeline.context.Prepared``)
+    prepared: Prepared           # its context step's result
     edits: list[PromptEdit]      # clearing's edits, in prompt order
     params: Params               # the edited request's instructions to the connector
     options: KVBlend | None      # the request's ``kv_blend``
