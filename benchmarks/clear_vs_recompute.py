@@ -15,10 +15,10 @@ import math
 import time
 import uuid
 
+from agentkv.server.embedded_model.names import DEFAULT_MODEL
+from agentkv.server.options import KV_MODES
 
-from ..server.embedded_model.names import DEFAULT_MODEL
-from ..server.options import KV_MODES
-from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, write_results, pyplot
+from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, pyplot, write_results
 
 MODES = KV_MODES
 TOP = 20

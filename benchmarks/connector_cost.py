@@ -16,7 +16,7 @@ import statistics
 import time
 import uuid
 
-from .harness import Endpoint, RESULTS, machine, machine_line, print_table, pyplot, write_results
+from .harness import RESULTS, Endpoint, machine, machine_line, print_table, pyplot, write_results
 
 GOAL = 0.03
 NO_EDITS = {"edits": []}

@@ -15,7 +15,7 @@ import time
 
 import httpx
 
-from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, write_results, pyplot
+from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, pyplot, write_results
 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], tokens: int) -> dict:

@@ -13,7 +13,7 @@ import argparse
 import uuid
 from collections import Counter
 
-from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, write_results, pyplot
+from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, pyplot, write_results
 from .scenario import Scenario, score
 
 OUTCOMES = ("correct", "invented", "not_sure", "overflow")

@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
     sizes, rounds = ([2000, 4000], 3) if args.quick else (args.sizes, args.rounds)
     if rounds < 1 or any(s < 100 or s > 250_000 for s in sizes):
         ap.error("--rounds must be >= 1 and every size 100..250000 tokens")
-    from ..server.embedded_model import TinyModelSpec, build_model
-    from ..server.embedded_model.catalog import models_dir
+    from agentkv.server.embedded_model import TinyModelSpec, build_model
+    from agentkv.server.embedded_model.catalog import models_dir
 
     wide = build_model(models_dir() / "agentkv-tiny-wide", TinyModelSpec(max_position_embeddings=262144, eos_weight=3.5))
     # no default context policy: every way must send the engine the same prompt

@@ -26,8 +26,9 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..server.embedded_model.names import DEFAULT_MODEL
-from ..server.options import BLEND_STRATEGIES as STRATEGIES
+from agentkv.server.embedded_model.names import DEFAULT_MODEL
+from agentkv.server.options import BLEND_STRATEGIES as STRATEGIES
+
 from . import fidelity_scenario as sc
 from .clear_vs_recompute import fidelity as compare
 from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, pyplot, write_results
@@ -136,8 +137,8 @@ def agentkv_phase(ep: Endpoint, renderer, seeds: list[int], uses: list[int], mod
 
 
 def near_of(renderer, msgs: list[dict], questions: list[sc.Question]) -> dict:
-    from ..compaction.clearing import clear_tool_uses
-    from ..compaction.config import ClearToolUses
+    from agentkv.compaction.clearing import clear_tool_uses
+    from agentkv.compaction.config import ClearToolUses
 
     r = clear_tool_uses(msgs, renderer, ClearToolUses(**sc.CLEAR))
     cleared = {i for i, (a, b) in enumerate(zip(msgs, r.messages)) if a is not b}
@@ -145,14 +146,15 @@ def near_of(renderer, msgs: list[dict], questions: list[sc.Question]) -> dict:
 
 
 def edited_of(renderer, msgs):
-    from ..compaction.clearing import clear_tool_uses
-    from ..compaction.config import ClearToolUses
+    from agentkv.compaction.clearing import clear_tool_uses
+    from agentkv.compaction.config import ClearToolUses
 
     return clear_tool_uses(msgs, renderer, ClearToolUses(**sc.CLEAR)).messages
 
 
 def llama_phase(binary: Path, renderer, seeds: list[int], uses: list[int]) -> list[dict]:
-    from ..server.embedded_model.smollm2 import packaged_gguf
+    from agentkv.server.embedded_model.smollm2 import packaged_gguf
+
     from .llama_peer import LlamaServer
 
     rows = []
@@ -292,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
             ap.error("llama-server not found (or built on another CPU): pass --llama-server PATH, --build-llama-cpp "
                      "(10+ minutes) or --no-peer")
 
-    from ..compaction.prompt import PromptRenderer
+    from agentkv.compaction.prompt import PromptRenderer
 
     name = "fidelity" + ("-quick" if args.quick else "")
     m = machine()
@@ -304,8 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
         except (OSError, ValueError) as exc:
             ap.error(f"--peer-only: no results file to add to ({exc})")
         seeds, uses, info = before["seeds"], before["uses"], {"id": before["model"]}
-        from ..server.engine.supervisor import resolve_model_path
-        from ..server.config import ServeConfig
+        from agentkv.server.config import ServeConfig
+        from agentkv.server.engine.supervisor import resolve_model_path
 
         renderer = PromptRenderer.from_pretrained(resolve_model_path(ServeConfig(model=args.model)))
         rows = [r for r in before["rows"] if r["engine"] != "llama.cpp"] + llama_phase(binary, renderer, seeds, uses)

@@ -48,8 +48,9 @@ import time
 import uuid
 from pathlib import Path
 
-from ..server import timing
-from ..server.embedded_model.names import SMOLLM2, TINY
+from agentkv.server import timing
+from agentkv.server.embedded_model.names import SMOLLM2, TINY
+
 from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, pyplot, write_results
 
 SYSTEM = ("You are a coding agent working in a large Python repository. Read before you edit, run the tests "
@@ -117,13 +118,13 @@ WINDOW = 1 << 22  # the default policy for a window no conversation here reaches
 
 
 def _context_step(renderer, window: int):
-    from ..compaction.policy import default_policy
-    from ..compaction.log.open import open_session_log
-    from ..server.pipeline.context import ContextManager
-    from ..server.pipeline.sessions import Sessions
+    from agentkv.compaction.log.open import open_session_log
+    from agentkv.compaction.policy import default_policy
+    from agentkv.server.pipeline.context import ContextManager
+    from agentkv.server.pipeline.sessions import Sessions
 
     log = open_session_log(Path(tempfile.mkdtemp(prefix="agentkv-front-")) / "log.db")
-    from ..server.config import ServeConfig
+    from agentkv.server.config import ServeConfig
 
     d = ServeConfig()
     return ContextManager(Sessions(log), renderer, None), default_policy(window, 0, d.clear_at, d.clear_to,
@@ -135,8 +136,8 @@ def _body_path(raw: bytes) -> None:
     sends on."""
     import msgspec
 
-    from ..server.engine.client import encode_json
-    from ..server.api.chat.protocol import ChatCompletionRequest, forward_body
+    from agentkv.server.api.chat.protocol import ChatCompletionRequest, forward_body
+    from agentkv.server.engine.client import encode_json
 
     req = ChatCompletionRequest.model_validate(msgspec.json.decode(raw))
     body = forward_body(req, "model")
@@ -180,7 +181,7 @@ def prompt_rows(renderer_of, bases: dict[int, list[dict]], turns: int, new_sizes
                 chat=None) -> list[dict]:
     """Per conversation (``bases``: by the size asked for) and mode: the first request (cold) and
     ``turns`` requests adding one turn each; with ``chat`` (vLLM's render), the ids sent too."""
-    from ..server.pipeline.sessions import SessionRef
+    from agentkv.server.pipeline.sessions import SessionRef
 
     rows = []
     counter = renderer_of(True)
@@ -290,7 +291,7 @@ def _session(target: str, key: str | None):
     """An aiohttp session for ``http://host:port`` or ``unix:PATH`` (the engine's socket), and its URL."""
     import aiohttp
 
-    from ..server.engine.client import ENGINE_URL
+    from agentkv.server.engine.client import ENGINE_URL
 
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if target.startswith("unix:"):
@@ -576,9 +577,9 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--url needs --engine-url and --engine-key (the engine that server runs on)")
     from tqdm import tqdm
 
-    from ..compaction.prompt import PromptRenderer
-    from ..server.embedded_model.catalog import model_dir
-    from ..server.render.engine_chat import counting_renderer, for_model
+    from agentkv.compaction.prompt import PromptRenderer
+    from agentkv.server.embedded_model.catalog import model_dir
+    from agentkv.server.render.engine_chat import counting_renderer, for_model
 
     path = args.tokenizer or str(model_dir(SMOLLM2))
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")   # rendering only: conversations past its window

@@ -30,8 +30,9 @@ import torch
 if not torch.cuda.is_available():   # Triton runs on CPU only interpreted; chosen before triton.jit runs
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ..kernels import PagedKV, RopeParams, Span, build_plan, evict_spans, move_tokens  # noqa: E402
-from ..kernels.evict import apply_plan  # noqa: E402
+from agentkv.kernels import PagedKV, RopeParams, Span, build_plan, evict_spans, move_tokens  # noqa: E402
+from agentkv.kernels.evict import apply_plan  # noqa: E402
+
 from .harness import RESULTS, machine, machine_line, print_table, pyplot, write_results  # noqa: E402
 
 # (atol, rtol): every backend computes in float32 (the loop in float64) and rounds once to the dtype.

@@ -104,14 +104,14 @@ class Endpoint:
 
     def stop(self) -> None:
         """Stop the server this endpoint started (its engine goes with it), however the run ends."""
-        from ..server.engine.process import stop_group
+        from agentkv.server.engine.process import stop_group
 
         proc, self.proc = self.proc, None
         if proc is not None:
             stop_group(proc, grace_s=120)
 
     def _start(self) -> None:
-        from ..server.engine.process import free_port
+        from agentkv.server.engine.process import free_port
 
         port = free_port()
         self.proc, self.log_path = start_logged([sys.executable, "-m", "agentkv.server.cli", "serve", "--port",
@@ -139,7 +139,7 @@ def start_logged(argv: list[str], prefix: str, env: dict | None = None):
     kept for reading after a failure: (the process, the log's path)."""
     import subprocess
 
-    from ..server.engine.process import dies_with_parent
+    from agentkv.server.engine.process import dies_with_parent
 
     log_path = Path(tempfile.mkstemp(prefix=prefix, suffix=".log")[1])
     with log_path.open("wb") as out:

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import PagedKV, RopeParams, Span, build_plan
-from ..kernels.evict import apply_plan
-from .harness import RESULTS, machine, machine_line, print_table, write_results, pyplot
+from agentkv.kernels import PagedKV, RopeParams, Span, build_plan
+from agentkv.kernels.evict import apply_plan
+
+from .harness import RESULTS, machine, machine_line, print_table, pyplot, write_results
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,8 @@ def measure(model: str, max_model_len: int = 2048, kv_cache_gib: int = 1, timeou
 
 
 def main() -> None:
-    from vllm import LLM
-
     import torch
+    from vllm import LLM
 
     llm = LLM(model=sys.argv[1], max_model_len=int(sys.argv[2]), enforce_eager=True,
               dtype="float32" if not torch.cuda.is_available() else "auto")

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .harness import machine, machine_line, print_table, write_results, pyplot
+from .harness import machine, machine_line, print_table, pyplot, write_results
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}

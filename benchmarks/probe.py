@@ -13,10 +13,11 @@ import argparse
 import json
 import random
 
-from ..compaction.config import Compact
-from ..compaction.prompt import PromptRenderer
-from ..compaction.summarize import OpenAIModelClient, summarize
-from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, write_results, pyplot
+from agentkv.compaction.config import Compact
+from agentkv.compaction.prompt import PromptRenderer
+from agentkv.compaction.summarize import OpenAIModelClient, summarize
+
+from .harness import Endpoint, add_endpoint_args, machine, machine_line, print_table, pyplot, write_results
 from .scenario import score
 
 GUIDED = ("Write a handoff note. Preserve every number, name, date, time, identifier and threshold "

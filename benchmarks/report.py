@@ -14,7 +14,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from ..server.kv_modes import kv_mode
+from agentkv.server.kv_modes import kv_mode
+
 from .front import extra_ms, ratio
 from .harness import RESULTS, machine_line
 from .replicas import per_replica

@@ -17,7 +17,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from ..server.engine.process import dies_with_parent, free_port
+from agentkv.server.engine.process import dies_with_parent, free_port
+
 from .harness import wait_ready
 
 CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "router" / "haproxy.cfg"

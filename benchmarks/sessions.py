@@ -29,8 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .harness import (Endpoint, machine, machine_line, print_table, pyplot, start_logged, wait_ready,
-                      write_results)
+from .harness import Endpoint, machine, machine_line, print_table, pyplot, start_logged, wait_ready, write_results
 from .session_record import DATA, load
 
 ARMS = ("vllm", "recompute", "shift", "floor")
@@ -118,9 +117,9 @@ class VllmDirect:
     def __enter__(self) -> "VllmDirect":
         import os
 
-        from ..server.config import ServeConfig
-        from ..server.engine.process import engine_args, free_port
-        from ..server.engine.supervisor import resolve_model_path
+        from agentkv.server.config import ServeConfig
+        from agentkv.server.engine.process import engine_args, free_port
+        from agentkv.server.engine.supervisor import resolve_model_path
 
         cfg = ServeConfig(model=self.path, served_model_name=self.model, max_model_len=self.window)
         argv = engine_args(cfg, resolve_model_path(cfg), "cpu", "unused")
@@ -140,7 +139,7 @@ class VllmDirect:
         return self
 
     def __exit__(self, *exc) -> None:
-        from ..server.engine.process import stop_group
+        from agentkv.server.engine.process import stop_group
 
         proc, self.proc = self.proc, None
         if proc is not None:
@@ -150,8 +149,8 @@ class VllmDirect:
 def wide_model(layers: int) -> tuple[str, str]:
     """(path, served name) of a random test model of ``layers`` layers whose positions reach the
     floor arm's window."""
-    from ..server.embedded_model import TinyModelSpec, build_model
-    from ..server.embedded_model.catalog import models_dir
+    from agentkv.server.embedded_model import TinyModelSpec, build_model
+    from agentkv.server.embedded_model.catalog import models_dir
 
     name = f"agentkv-tiny-{layers}l-wide"
     return str(build_model(models_dir() / name, TinyModelSpec(layers=layers, max_position_embeddings=FLOOR_WINDOW))), name
@@ -298,7 +297,8 @@ def main(argv: list[str] | None = None) -> dict:
                  f"--window 1024..{FLOOR_WINDOW}, --layers 1..32")
     path, model = wide_model(args.layers)
     if args.traces:
-        from .traces import conversation, load as load_traces
+        from .traces import conversation
+        from .traces import load as load_traces
 
         traces = load_traces()
         if args.traces > len(traces):

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 from .edits import PromptEdit, diff_edits
 from .groups import ToolUse, tool_uses
-from .prompt import Message, PromptRenderer, content_text as _text
+from .prompt import Message, PromptRenderer
+from .prompt import content_text as _text
 
 if TYPE_CHECKING:
     from .edit_kinds.clear_tool_uses import ClearToolUses

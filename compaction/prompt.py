@@ -25,8 +25,20 @@ from typing import Any
 
 import msgspec
 
-from .prompt_segments import (Boundaries, Layout, NotLocal, RenderText, Segment, SegmentCache, TemplateCheck,
-                              check_template, context, generation_text, memo, segment_text)
+from .prompt_segments import (
+    Boundaries,
+    Layout,
+    NotLocal,
+    RenderText,
+    Segment,
+    SegmentCache,
+    TemplateCheck,
+    check_template,
+    context,
+    generation_text,
+    memo,
+    segment_text,
+)
 from .token_cache import Splits, TokenCache
 
 Message = dict[str, Any]

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from .groups import sized_groups
-from .prompt import Message, PromptRenderer, content_text as _text
+from .prompt import Message, PromptRenderer
+from .prompt import content_text as _text
 
 if TYPE_CHECKING:
     from .edit_kinds.compact import Compact

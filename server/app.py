@@ -10,22 +10,22 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from ..compaction.log.open import is_postgres_url, open_session_log
+from agentkv.compaction.log.open import is_postgres_url, open_session_log
+
 from .api import completions, models, sessions
 from .api.chat import router as chat
 from .api.deps import Authorized, SupervisorDep, warm_context
 from .api.messages import router as messages
 from .api.responses import router as responses
 from .config import ServeConfig
+from .edge import Edge
 from .engine.client import EngineUnavailable
 from .engine.supervisor import EngineState, Supervisor
 from .errors import LastResort, install_error_handlers
-from .edge import Edge
 from .metrics import RequestMetrics, render
 from .pipeline.compaction_item import CompactionSeal, load_key
 from .pipeline.sessions import Sessions
 from .pipeline.state import AppState
-
 
 log = logging.getLogger(__name__)
 

@@ -69,7 +69,6 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
-
     from .errors import SESSION_LOG_OPEN_ERRORS
     from .pipeline.compaction_item import KeyFileError
 

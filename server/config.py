@@ -10,7 +10,8 @@ from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..compaction.log.open import is_postgres_url
+from agentkv.compaction.log.open import is_postgres_url
+
 from .embedded_model.names import DEFAULT_MODEL
 from .kv_modes import kv_mode
 from .options import BlendStrategy, EngineInputMode, KVMode

@@ -16,7 +16,8 @@ import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ..compaction.log.open import is_postgres_url
+from agentkv.compaction.log.open import is_postgres_url
+
 from .config import agentkv_home
 
 log = logging.getLogger(__name__)

@@ -9,6 +9,7 @@ import uuid
 
 import anthropic
 import pytest
+
 from anthropic_log import rebuild, strip_cache
 from conftest import API_KEY
 

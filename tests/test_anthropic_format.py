@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from anthropic_log import rebuild, strip_cache
-
 from agentkv.server.api.messages.convert import chat_request, conversation, engine_message
 from agentkv.server.api.messages.encode import EventStream, message
 from agentkv.server.errors import APIError
+
+from anthropic_log import rebuild, strip_cache
 
 WORDS = st.text(alphabet="abc xyz\n", min_size=1, max_size=12)
 CACHE = st.sampled_from([{}, {"cache_control": {"type": "ephemeral"}}])

@@ -9,11 +9,12 @@ import uuid
 
 import anthropic
 import pytest
-from conftest import OTHER_KEY
 
 from agentkv.compaction.log.open import open_session_log
 from agentkv.server.api.messages import threads
 from agentkv.server.errors import APIError
+
+from conftest import OTHER_KEY
 
 MODEL = "agentkv-tiny"
 THREADS = "message-threads-2026-08-12"

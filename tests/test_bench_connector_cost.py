@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import start_server
 
 from agentkv.benchmarks.connector_cost import paired, summarize
 from agentkv.server.cli import main
+
+from conftest import start_server
 
 SETTINGS = ("--model", "agentkv-tiny", "--max-model-len", "2048")
 

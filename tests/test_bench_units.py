@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from agentkv.benchmarks.kv_memory import kv_bytes, known_configs
+from agentkv.benchmarks.kv_memory import known_configs, kv_bytes
 from agentkv.benchmarks.scenario import FACTS, SERVICES, Scenario, score
 
 

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from conftest import API_KEY, REPO
 
 CLAUDE = REPO / "tests" / "clients" / "node_modules" / ".bin" / "claude"

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from conftest import API_KEY, REPO
 
 BIN = REPO / "tests" / "clients" / "node_modules" / ".bin"

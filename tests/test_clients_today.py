@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
+
 from conftest import REAL
 
 CAPTURED = Path(__file__).parent / "clients" / "captured"

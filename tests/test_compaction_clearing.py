@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-from agent_sessions import TOOLS, conversations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -14,6 +13,8 @@ from agentkv.compaction.clearing import clear_tool_uses, is_cleared
 from agentkv.compaction.config import ClearToolUses, Trigger
 from agentkv.compaction.edits import apply_edits
 from agentkv.compaction.groups import tool_uses
+
+from agent_sessions import TOOLS, conversations
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 CONFIGS = st.builds(ClearToolUses, trigger=st.sampled_from([0, 200, 10_000]), keep=st.integers(0, 3),

@@ -12,8 +12,8 @@ import time
 
 from agentkv.compaction.clearing import clear_tool_uses
 from agentkv.compaction.config import ClearToolUses, Compact
-from agentkv.compaction.log.recall import format_hits, recall
 from agentkv.compaction.log.open import open_session_log
+from agentkv.compaction.log.recall import format_hits, recall
 from agentkv.compaction.summarize import summarize
 
 

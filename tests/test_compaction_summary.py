@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from agent_sessions import TOOLS, conversations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentkv.compaction.baselines import head_tail, sliding_window
 from agentkv.compaction.config import Compact
 from agentkv.compaction.groups import groups, tool_uses
-from agentkv.compaction.summarize import (NOTE_START, OpenAIModelClient, is_summary, previous_note,
-                                          summarize, transcript)
+from agentkv.compaction.summarize import NOTE_START, OpenAIModelClient, is_summary, previous_note, summarize, transcript
+
+from agent_sessions import TOOLS, conversations
 
 
 class RecordingClient:

@@ -10,10 +10,9 @@ from pydantic import ValidationError
 
 from agentkv.compaction.config import ClearThinking
 from agentkv.compaction.policy import ContextManagement
-from conftest import engine_renderer
-
-from agentkv.compaction.prompt import PromptRenderer
 from agentkv.compaction.thinking import clear_thinking, has_thinking
+
+from conftest import engine_renderer
 
 
 def _turns(n: int) -> list[dict]:

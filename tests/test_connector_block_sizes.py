@@ -15,8 +15,8 @@ from agentkv.compaction.config import ClearToolUses
 from agentkv.compaction.prompt import PromptRenderer
 from agentkv.kernels.connector.params import prompt_hash, transfer_config
 from agentkv.server.embedded_model import TinyModelSpec, build_model
-from inprocess_engine import STEP_TOKENS, generate, turn
 
+from inprocess_engine import STEP_TOKENS, generate, turn
 
 
 def clear_once(engine, renderer, session: str, salt: str):

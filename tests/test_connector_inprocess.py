@@ -13,9 +13,11 @@ import torch
 from agentkv.compaction.clearing import clear_tool_uses
 from agentkv.compaction.config import ClearToolUses
 from agentkv.compaction.prompt import PromptRenderer
-from agentkv.server.embedded_model import TinyModelSpec, build_model
 from agentkv.kernels.connector.params import prompt_hash, transfer_config
+from agentkv.server.embedded_model import TinyModelSpec, build_model
+
 from inprocess_engine import STEP_TOKENS, generate, turn
+
 
 def worker_tensors(worker) -> dict:
     """Tensors reachable from the worker's connector, and the shapes of those that are not views of

@@ -8,8 +8,8 @@ import json
 import threading
 
 from agentkv.compaction.config import Compact
-from agentkv.compaction.policy import ContextManagement
 from agentkv.compaction.log.open import open_session_log
+from agentkv.compaction.policy import ContextManagement
 from agentkv.server.config import ServeConfig
 from agentkv.server.pipeline.context import INLINE_CHARS, ContextManager, manage
 from agentkv.server.pipeline.sessions import SessionRef, Sessions

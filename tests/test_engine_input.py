@@ -12,10 +12,11 @@ import uuid
 
 import anthropic
 import pytest
-from conftest import API_KEY, REAL, TINY
 
 from agentkv.benchmarks.front import engine_of
 from agentkv.server.engine.client import EngineClient
+
+from conftest import API_KEY, REAL, TINY
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",

@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 import test_faults as faults
+
 from conftest import start_server
 
 SHIFT = ("--model", faults.MODEL, "--kv-reuse", "shift")

@@ -9,12 +9,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kernel_reference import expected_moves, hf_rotate, write_expected
 from transformers import GPTJConfig, PhiConfig
 
 from agentkv.kernels import PagedKV, RopeParams, Span, apply_plan, build_plan, evict_spans, move_tokens
 from agentkv.kernels.evict_loop import rotate_complex
 from agentkv.kernels.rope import rotate
+
+from kernel_reference import expected_moves, hf_rotate, write_expected
 
 BACKENDS = ["torch", "loop", "triton"]
 # (dtype, atol, rtol): the kernels round once from float32 math, the oracle once from float64.

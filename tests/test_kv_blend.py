@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from agentkv.server.options import KVBlend
 from agentkv.server.kv.blend import budget_blocks, candidates, holes, movable_end, plan, rank, splice
+from agentkv.server.options import KVBlend
 
 
 @dataclass

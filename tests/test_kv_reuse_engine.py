@@ -14,9 +14,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import start_server
 
 from agentkv.server.embedded_model import TinyModelSpec, build_model
+
+from conftest import start_server
 
 CLEAR = {"edits": [{"type": "clear_tool_uses", "trigger": 0, "keep": 1}]}
 NONE = {"edits": []}

@@ -8,8 +8,8 @@ import json
 
 from agentkv.compaction.clearing import clear_tool_uses
 from agentkv.compaction.config import ClearToolUses
-from agentkv.kernels.plan import Span
 from agentkv.kernels.connector.reuse_plan import PRIME, PROMPT, Run, clip, cover, pieces
+from agentkv.kernels.plan import Span
 
 
 def conversation(n: int = 3) -> list[dict]:

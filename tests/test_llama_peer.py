@@ -11,11 +11,19 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import REAL
 
-from agentkv.benchmarks.llama_peer import (ENV_BINARY, LlamaServer, PeerError, binary_in, cpu_flags, default_dest,
-                                           find_binary)
+from agentkv.benchmarks.llama_peer import (
+    ENV_BINARY,
+    LlamaServer,
+    PeerError,
+    binary_in,
+    cpu_flags,
+    default_dest,
+    find_binary,
+)
 from agentkv.server.embedded_model.catalog import model_dir
+
+from conftest import REAL
 
 CTX = 4096
 REUSE = 256

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import start_server
 
 from agentkv.kernels.connector.params import FALLBACKS as REASONS
 from agentkv.server.cli import main
+
+from conftest import start_server
 
 
 @pytest.fixture(scope="module")

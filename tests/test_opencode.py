@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from conftest import API_KEY, REPO
 
 OPENCODE = REPO / "tests" / "clients" / "node_modules" / "opencode-linux-x64" / "bin" / "opencode"

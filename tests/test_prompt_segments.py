@@ -10,13 +10,14 @@ import json
 import re
 
 import pytest
-from agent_sessions import TOOLS
-from conftest import REAL
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentkv.compaction.prompt import KnownMessages, PromptRenderer, message_key
 from agentkv.compaction.prompt_segments import check_template
+
+from agent_sessions import TOOLS
+from conftest import REAL
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 WORDS = st.sampled_from("alpha beta gamma port timeout region <tool_call> {\"a\": 1} E2033 1050 \n \u00e9t\u00e9 "

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import anthropic
 import pytest
-from conftest import API_KEY, REAL
 
 from agentkv.server.embedded_model.catalog import model_dir
+
+from conftest import API_KEY, REAL
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 WEATHER = {"type": "function", "function": {

@@ -25,9 +25,10 @@ import httpx
 import openai
 import psutil
 import pytest
-from conftest import API_KEY, Server, new_database, start_server, stop_server
 
 from agentkv.benchmarks.router import Router, run_router
+
+from conftest import API_KEY, Server, new_database, start_server, stop_server
 
 MODEL = "agentkv-tiny"
 # long enough that a turn's prompt spans several KV blocks (the prefix cache reuses whole blocks)

@@ -14,6 +14,7 @@ import uuid
 import httpx
 import openai
 import pytest
+
 from conftest import OTHER_KEY
 
 MODEL = "agentkv-tiny"

@@ -7,16 +7,22 @@ import os
 import stat
 
 import pytest
-from agent_sessions import conversations
 from hypothesis import given, settings
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from agentkv.server.pipeline.compaction_item import CompactionSeal, load_key
-from agentkv.server.errors import APIError
 from agentkv.server.api.responses.convert import to_chat_tool_choice, to_chat_tools, to_messages
-from agentkv.server.api.responses.encode import (EventStream, OutputBuilder, finish_response, to_usage,
-                                                 whole_message_delta)
+from agentkv.server.api.responses.encode import (
+    EventStream,
+    OutputBuilder,
+    finish_response,
+    to_usage,
+    whole_message_delta,
+)
+from agentkv.server.errors import APIError
+from agentkv.server.pipeline.compaction_item import CompactionSeal, load_key
+
+from agent_sessions import conversations
 
 SEAL = CompactionSeal(b"k" * 32)
 EVENT = TypeAdapter(ResponseStreamEvent)

@@ -20,10 +20,11 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from conftest import API_KEY, OTHER_KEY, start_server, stop_server
 from agentkv.server.config import ServeConfig, url_passwords
 from agentkv.server.engine.process import EngineProcess
 from agentkv.server.home import secure_home
+
+from conftest import API_KEY, OTHER_KEY, start_server, stop_server
 
 MODEL = "agentkv-tiny"
 BAD_IDS = ["../../etc/passwd", "..", ".", "a/b", "a\\b", "x" * 129, "sp ace", "nul\x00", "%2e%2e%2f", "é",

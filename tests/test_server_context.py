@@ -8,12 +8,13 @@ import json
 import uuid
 
 import pytest
-from conftest import API_KEY, OTHER_KEY
 
 from agentkv.compaction.config import Compact
 from agentkv.compaction.log.open import open_session_log
 from agentkv.compaction.summarize import changed_files, previous_note, summarize, summary_message, user_messages
 from agentkv.server.pipeline.sessions import ViewState
+
+from conftest import API_KEY, OTHER_KEY
 
 MODEL = "agentkv-tiny"
 FACT = "timeout_ms = 1050"

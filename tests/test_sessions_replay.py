@@ -7,10 +7,11 @@ with ``held_mismatch``)."""
 from __future__ import annotations
 
 import pytest
-from conftest import API_KEY, start_server
 
 from agentkv.benchmarks.session_record import DATA, load
 from agentkv.benchmarks.sessions import replay, wide_model
+
+from conftest import API_KEY, start_server
 
 WINDOW = 65536    # what the bench replays at: the fixed part is a third of it, a turn adds up to 8%
 TURNS = 18

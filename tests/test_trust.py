@@ -10,9 +10,10 @@ import json
 import uuid
 
 import pytest
-from conftest import OTHER_KEY, REAL, start_server
 
 from agentkv.server.pipeline import cache_salt
+
+from conftest import OTHER_KEY, REAL, start_server
 
 MODEL = "agentkv-tiny"
 SERVER_ONLY = {"kv_transfer_params": {"agentkv": {"session": "victim", "spans": [[0, 512, 1]]}},

@@ -13,11 +13,12 @@ import time
 import uuid
 
 import pytest
-from conftest import API_KEY, REAL, REPO
 
 from agentkv.server.errors import PromptTooLong
 from agentkv.server.pipeline.engine_call import next_round
 from agentkv.server.pipeline.window import fit_output
+
+from conftest import API_KEY, REAL, REPO
 
 CLAUDE = REPO / "tests" / "clients" / "node_modules" / ".bin" / "claude"
 BIG_SYSTEM = "policy " * 9000            # ~9k tokens of SmolLM2's tokenizer: more than its window

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .session_log import WORD as _WORD, SessionLog, words as _words
+from .session_log import WORD as _WORD
+from .session_log import SessionLog
+from .session_log import words as _words
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Callable, Iterator
 
-from ..prompt import Message, content_text as _text
+from agentkv.compaction.prompt import Message
+from agentkv.compaction.prompt import content_text as _text
 
 WORD = re.compile(r"[^\W_]+", re.UNICODE)
 PUT_STATE = "INSERT INTO views VALUES (?, ?) ON CONFLICT (session) DO UPDATE SET state=excluded.state"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..plan import Span
+from agentkv.kernels.plan import Span
 
 PROMPT, PRIME = 0, 1   # source indices: the held prompt, the held priming prompt
 

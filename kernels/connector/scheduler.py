@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .params import Outcome, Params, Primed
-from .stats import AgentKVStats
+from agentkv.kernels.plan import Span
+
 from .held_blocks import PRIME, PROMPT, HeldBlocks, HeldEntry
-from .worker import LoadSpec
-from ..plan import Span
+from .params import Outcome, Params, Primed
 from .reuse_plan import Run, clip, cover
+from .stats import AgentKVStats
+from .worker import LoadSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from .params import FALLBACKS
 
+
 @dataclass
 class AgentKVStats(KVConnectorStats):
     """``data``: ``{"fallbacks": {reason: n}, "reused_tokens": n, "held_blocks": n}`` since the last

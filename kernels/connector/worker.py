@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..evict import move_tokens
-from ..layout import PagedKV, slots_of
-from ..rope import RopeParams, UnsupportedShift
+from agentkv.kernels.evict import move_tokens
+from agentkv.kernels.layout import PagedKV, slots_of
+from agentkv.kernels.rope import RopeParams, UnsupportedShift
 
 log = logging.getLogger("vllm.agentkv_connector")
 FAULT_ENV = "AGENTKV_FAULT_KV_LOAD"   # tests: "1" makes every load fail (vLLM then recomputes)

@@ -6,10 +6,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..edge import EdgeRoute
-from ..engine.client import EngineUnavailable, relay_stream, unavailable
-from ..pipeline import cache_salt
-from ..pipeline.state import app_state
+from agentkv.server.edge import EdgeRoute
+from agentkv.server.engine.client import EngineUnavailable, relay_stream, unavailable
+from agentkv.server.pipeline import cache_salt
+from agentkv.server.pipeline.state import app_state
+
 from .chat.protocol import CompletionRequest, forward_body
 from .deps import EngineDep, OwnerDep
 

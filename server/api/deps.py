@@ -14,13 +14,13 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from ..edge import OWNER, owner_of_key
-from ..errors import APIError
-from ..engine.client import EngineClient
-from ..engine.supervisor import Supervisor
-from ..pipeline.context import ContextManager
-from ..pipeline.state import AppState, app_state
-from ..render.engine_chat import EngineChat
+from agentkv.server.edge import OWNER, owner_of_key
+from agentkv.server.engine.client import EngineClient
+from agentkv.server.engine.supervisor import Supervisor
+from agentkv.server.errors import APIError
+from agentkv.server.pipeline.context import ContextManager
+from agentkv.server.pipeline.state import AppState, app_state
+from agentkv.server.render.engine_chat import EngineChat
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ async def warm_context(state: AppState) -> None:
 def _engine_chat(state: AppState) -> EngineChat | None:
     """vLLM's chat render for the engine the supervisor starts (None, said once, where it cannot be
     built: every prompt then goes to vLLM as messages and the front counts with transformers)."""
-    from ..engine.process import engine_args, resolve_device
+    from agentkv.server.engine.process import engine_args, resolve_device
 
     sup, cfg = state.supervisor, state.cfg
     try:
@@ -90,10 +90,10 @@ def _make_context(state: AppState) -> ContextManager:
     if state.context is None:
         with state.context_lock:
             if state.context is None:
-                from ...compaction.prompt import PromptRenderer
-                from ..engine.summarizer import EngineModelClient
-                from ..pipeline.engine_input import EngineInput
-                from ..render.engine_chat import counting_renderer
+                from agentkv.compaction.prompt import PromptRenderer
+                from agentkv.server.engine.summarizer import EngineModelClient
+                from agentkv.server.pipeline.engine_input import EngineInput
+                from agentkv.server.render.engine_chat import counting_renderer
 
                 sup, cfg = state.supervisor, state.cfg
                 chat = _engine_chat(state)

@@ -12,8 +12,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..engine.client import EngineUnavailable, unavailable
-from ..pipeline.state import app_state
+from agentkv.server.engine.client import EngineUnavailable, unavailable
+from agentkv.server.pipeline.state import app_state
+
 from .deps import EngineDep, OwnerDep
 
 router = APIRouter(prefix="/v1")

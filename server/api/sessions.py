@@ -10,11 +10,12 @@ import asyncio
 
 from fastapi import APIRouter, Query, Request
 
-from ...compaction.log.session_log import SessionLog
+from agentkv.compaction.log.session_log import SessionLog
+from agentkv.server.errors import APIError
+from agentkv.server.pipeline.sessions import ViewState, session_key
+from agentkv.server.pipeline.state import app_state
+
 from .deps import OwnerDep
-from ..errors import APIError
-from ..pipeline.sessions import ViewState, session_key
-from ..pipeline.state import app_state
 
 router = APIRouter(prefix="/v1/sessions")
 

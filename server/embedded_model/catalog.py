@@ -11,7 +11,7 @@ from .names import SMOLLM2, TINY, tiny_layers
 def models_dir() -> Path:
     import os
 
-    from ..config import agentkv_home
+    from agentkv.server.config import agentkv_home
 
     return Path(os.environ.get("AGENTKV_MODELS") or agentkv_home() / "models")
 

@@ -15,10 +15,10 @@ import msgspec
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from .. import timing
-from ..errors import error_body, error_response
-from .progress import Inflight
+from agentkv.server import timing
+from agentkv.server.errors import error_body, error_response
 
+from .progress import Inflight
 
 log = logging.getLogger(__name__)
 encode_json = msgspec.json.encode  # compact, UTF-8 (vLLM's own events are too), a few times faster than json

@@ -31,8 +31,9 @@ from pathlib import Path
 
 import httpx
 
-from ..config import ServeConfig, agentkv_home, env_var
-from ..kv_modes import kv_mode
+from agentkv.server.config import ServeConfig, agentkv_home, env_var
+from agentkv.server.kv_modes import kv_mode
+
 from .client import ENGINE_URL
 
 log = logging.getLogger(__name__)

@@ -11,10 +11,11 @@ import threading
 import httpx
 from openai import OpenAI
 
-from ...compaction.prompt import Message
-from ...compaction.summarize import OpenAIModelClient
-from .process import EngineError, EngineProcess
+from agentkv.compaction.prompt import Message
+from agentkv.compaction.summarize import OpenAIModelClient
+
 from .client import ENGINE_URL
+from .process import EngineError, EngineProcess
 from .supervisor import Supervisor
 
 

@@ -12,9 +12,10 @@ from collections import deque
 from collections.abc import Callable
 from enum import Enum
 
-from ..config import ServeConfig
-from ..embedded_model import is_embedded
-from ..metrics import ENGINE_RESTARTS, ENGINE_STALLS, ENGINE_STARTS, ENGINE_UP
+from agentkv.server.config import ServeConfig
+from agentkv.server.embedded_model import is_embedded
+from agentkv.server.metrics import ENGINE_RESTARTS, ENGINE_STALLS, ENGINE_STARTS, ENGINE_UP
+
 from .client import EngineClient, EngineUnavailable
 from .process import EngineError, EngineProcess, resolve_device
 from .progress import DEFAULT_STALL_S, Inflight, ProgressWatch, look, tokens_of
@@ -37,7 +38,7 @@ class EngineState(str, Enum):
 def resolve_model_path(cfg: ServeConfig) -> str:
     """The path or hub id vLLM loads: an embedded model's folder (built on first use), else ``--model``."""
     if is_embedded(cfg.model):
-        from ..embedded_model.catalog import build
+        from agentkv.server.embedded_model.catalog import build
 
         return str(build(cfg.model))
     return cfg.model

@@ -19,26 +19,27 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
-from dataclasses import dataclass
 import hashlib
 import hmac
 import logging
 import secrets
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...compaction import edit_kinds
-from ...compaction.edits import PromptEdit
-from ...kernels.connector.params import Outcome, Params, Primed
-from ..config import ServeConfig
-from ..kv_modes import Recompute, kv_mode
-from ..metrics import KV_EDITS, KV_FALLBACKS, KV_PRIMED
-from ..options import KVBlend, KVMode
+from agentkv.compaction import edit_kinds
+from agentkv.compaction.edits import PromptEdit
+from agentkv.kernels.connector.params import Outcome, Params, Primed
+from agentkv.server.config import ServeConfig
+from agentkv.server.kv_modes import Recompute, kv_mode
+from agentkv.server.metrics import KV_EDITS, KV_FALLBACKS, KV_PRIMED
+from agentkv.server.options import KVBlend, KVMode
+
 from . import blend as kv_blend
 
 if TYPE_CHECKING:
-    from ..engine.client import EngineClient
-    from ..pipeline.context import Prepared
+    from agentkv.server.engine.client import EngineClient
+    from agentkv.server.pipeline.context import Prepared
 
 _KEY = secrets.token_bytes(32)   # session tokens are unguessable by clients
 # the deviation probe runs a model layer on the front's CPU: on a thread of its own (never the pool

@@ -4,11 +4,12 @@ message, for the requests that ask for it outright rather than by a threshold (t
 
 from __future__ import annotations
 
-from ...compaction.edit_kinds import Compact
-from ...compaction.policy import ContextManagement, summary_limit
-from ...compaction.prompt import Message
-from ...compaction.summarize import is_summary
-from ..errors import APIError
+from agentkv.compaction.edit_kinds import Compact
+from agentkv.compaction.policy import ContextManagement, summary_limit
+from agentkv.compaction.prompt import Message
+from agentkv.compaction.summarize import is_summary
+from agentkv.server.errors import APIError
+
 from . import cache_salt
 from .context import ContextManager, EngineForm, Prepared, manage
 from .sessions import SessionRef

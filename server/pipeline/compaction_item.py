@@ -25,9 +25,9 @@ import uuid
 import zlib
 from pathlib import Path
 
-from ...compaction.prompt import Message
-from ..config import agentkv_home
-from ..errors import APIError
+from agentkv.compaction.prompt import Message
+from agentkv.server.config import agentkv_home
+from agentkv.server.errors import APIError
 
 VERSION = "akv1"
 KEY_FILE = "compaction.key"

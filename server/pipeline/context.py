@@ -21,15 +21,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...compaction.edit_kinds import EditKind, EditStep, Failed
-from ...compaction.edits import PromptEdit
-from ...compaction.policy import ContextManagement, default_policy, with_defaults
-from ...compaction.prompt import Message, PromptRenderer, one_step
-from ...compaction.prompt_segments import SegmentCache
-from ...compaction.summarize import ModelClient
-from .. import timing
+from agentkv.compaction.edit_kinds import EditKind, EditStep, Failed
+from agentkv.compaction.edits import PromptEdit
+from agentkv.compaction.policy import ContextManagement, default_policy, with_defaults
+from agentkv.compaction.prompt import Message, PromptRenderer, one_step
+from agentkv.compaction.prompt_segments import SegmentCache
+from agentkv.compaction.summarize import ModelClient
+from agentkv.kernels.connector.params import prompt_hash
+from agentkv.server import timing
+
 from .sessions import SessionRef, Sessions, ViewState
-from ...kernels.connector.params import prompt_hash
 from .summaries import Summaries, SummaryNeeded
 
 log = logging.getLogger("agentkv.context")

@@ -19,10 +19,17 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from ..engine.client import EngineClient, EngineResponse, EngineUnavailable, decode_json, unavailable_message
-from ..errors import error_body
-from ..kv.reuse import continued, take_outcome
-from ..metrics import observe_usage
+from agentkv.server.engine.client import (
+    EngineClient,
+    EngineResponse,
+    EngineUnavailable,
+    decode_json,
+    unavailable_message,
+)
+from agentkv.server.errors import error_body
+from agentkv.server.kv.reuse import continued, take_outcome
+from agentkv.server.metrics import observe_usage
+
 from . import server_tools, window
 from .server_tools import ToolRunner
 

@@ -27,10 +27,11 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from ...compaction.prompt import Message
-from ..metrics import ENGINE_INPUT
-from ..options import EngineInputMode
-from ..render.engine_chat import EngineChat, NotRendered
+from agentkv.compaction.prompt import Message
+from agentkv.server.metrics import ENGINE_INPUT
+from agentkv.server.options import EngineInputMode
+from agentkv.server.render.engine_chat import EngineChat, NotRendered
+
 from .engine_call import Make
 
 log = logging.getLogger(__name__)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-from ...compaction.log.recall import format_hits, recall
-from ...compaction.log.session_log import SessionLog
-from ..errors import APIError
+from agentkv.compaction.log.recall import format_hits, recall
+from agentkv.compaction.log.session_log import SessionLog
+from agentkv.server.errors import APIError
 
 NOTE_KINDS = ("decision", "rejected", "progress", "note")
 DEFINITIONS = [

@@ -22,9 +22,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...compaction.prompt import Message, message_key
-from ...compaction.log.session_log import LogTransaction, SessionLog
-from ..errors import APIError
+from agentkv.compaction.log.session_log import LogTransaction, SessionLog
+from agentkv.compaction.prompt import Message, message_key
+from agentkv.server.errors import APIError
 
 # no "/" or "\\" and not only dots: an id is never a path, and could not be made one
 SESSION_ID = re.compile(r"(?!\.+\Z)[A-Za-z0-9._:@-]{1,128}")   # whole ids only (fullmatch: "$" takes a final "\n")

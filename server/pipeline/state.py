@@ -7,8 +7,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..config import ServeConfig
-from ..engine.supervisor import Supervisor
+from agentkv.server.config import ServeConfig
+from agentkv.server.engine.supervisor import Supervisor
+
 from .compaction_item import CompactionSeal
 from .sessions import Sessions
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from ...compaction.prompt import Message, message_key
-from ...compaction.summarize import ModelClient, SummaryPending
+from agentkv.compaction.prompt import Message, message_key
+from agentkv.compaction.summarize import ModelClient, SummaryPending
 
 
 class SummaryNeeded(SummaryPending):

@@ -18,13 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ...compaction.policy import ContextManagement
-from ...compaction.prompt import Message
-from ..config import ServeConfig
-from ..engine.client import EngineClient
-from ..kv import reuse as kv_reuse
-from ..kv_modes import kv_mode
-from ..options import AgentKVFields
+from agentkv.compaction.policy import ContextManagement
+from agentkv.compaction.prompt import Message
+from agentkv.server.config import ServeConfig
+from agentkv.server.engine.client import EngineClient
+from agentkv.server.kv import reuse as kv_reuse
+from agentkv.server.kv_modes import kv_mode
+from agentkv.server.options import AgentKVFields
+
 from . import cache_salt, server_tools, window
 from .context import ContextManager, EngineForm, Prepared, manage
 from .engine_call import Completion, EngineStream, Make, Refusal, completion, open_stream

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 
-from ...compaction.policy import room_warning
-from ...compaction.prompt import Message, PromptRenderer
-from ..errors import PromptTooLong
+from agentkv.compaction.policy import room_warning
+from agentkv.compaction.prompt import Message, PromptRenderer
+from agentkv.server.errors import PromptTooLong
+
 from .context import EngineForm
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ import logging
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from ...compaction.token_cache import Splits, TokenCache
+from agentkv.compaction.token_cache import Splits, TokenCache
 
 log = logging.getLogger(__name__)
 
@@ -209,8 +209,8 @@ class EngineChat:
 def counting_renderer(chat: EngineChat):
     """A ``compaction.prompt.PromptRenderer`` that counts with ``chat``'s render: vLLM's message
     normalization and template, the engine's tokenizer."""
-    from ...compaction.prompt import PromptRenderer
-    from ...compaction.prompt_segments import check_template
+    from agentkv.compaction.prompt import PromptRenderer
+    from agentkv.compaction.prompt_segments import check_template
 
     return PromptRenderer(chat.base_tokenizer, render_text=chat.chat_text, check=check_template(chat.chat_text,
                                                                                                chat.template))

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ...engine.client import encode_json
-from ...metrics import observe_usage
-from ...pipeline.engine_call import Refusal
-from ...pipeline.turn import Turn
+from agentkv.server.engine.client import encode_json
+from agentkv.server.metrics import observe_usage
+from agentkv.server.pipeline.engine_call import Refusal
+from agentkv.server.pipeline.turn import Turn
 
 
 def refusal(r: Refusal, turn: Turn) -> JSONResponse:

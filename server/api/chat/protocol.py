@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ....compaction.policy import ContextManagement
-from ...options import AGENTKV_FIELDS, AgentKVFields, EngineBound, require_utf8
+from agentkv.compaction.policy import ContextManagement
+from agentkv.server.options import AGENTKV_FIELDS, AgentKVFields, EngineBound, require_utf8
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 

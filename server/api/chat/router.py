@@ -5,10 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ...edge import EdgeRoute
-from ...pipeline.state import app_state
-from ...pipeline.turn import TurnInput, prepare_turn, session_of
-from ..deps import ContextDep, EngineDep, OwnerDep
+from agentkv.server.api.deps import ContextDep, EngineDep, OwnerDep
+from agentkv.server.edge import EdgeRoute
+from agentkv.server.pipeline.state import app_state
+from agentkv.server.pipeline.turn import TurnInput, prepare_turn, session_of
+
 from . import encode
 from .protocol import ChatCompletionRequest, forward_body
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ...errors import APIError
-from ...pipeline.compact import compact_now, fired, summary_of
-from ...pipeline.compaction_item import CompactionSeal
-from ...pipeline.context import ContextManager, EngineForm, Prepared
-from ...pipeline.sessions import SessionRef
-from ...pipeline.state import AppState
+from agentkv.server.errors import APIError
+from agentkv.server.pipeline.compact import compact_now, fired, summary_of
+from agentkv.server.pipeline.compaction_item import CompactionSeal
+from agentkv.server.pipeline.context import ContextManager, EngineForm, Prepared
+from agentkv.server.pipeline.sessions import SessionRef
+from agentkv.server.pipeline.state import AppState
+
 from .encode import compaction_message, sse
 
 

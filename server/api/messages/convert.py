@@ -27,9 +27,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ....compaction.prompt import Message
-from ...errors import APIError
-from ...options import AGENTKV_FIELDS
+from agentkv.compaction.prompt import Message
+from agentkv.server.errors import APIError
+from agentkv.server.options import AGENTKV_FIELDS
 
 BILLING_HEADER = "x-anthropic-billing-header"
 TOOL_CHANGES = {"tool_addition", "tool_removal"}   # beta mid-conversation-tool-changes-2026-07-01

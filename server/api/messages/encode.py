@@ -13,13 +13,13 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ...engine.client import encode_json
-from ...errors import anthropic_error_body
-from ...metrics import observe_usage
-from ...pipeline.context import Prepared
-from ...pipeline.engine_call import Refusal
-from ...pipeline.turn import Turn
-from ..ids import new_id
+from agentkv.server.api.ids import new_id
+from agentkv.server.engine.client import encode_json
+from agentkv.server.errors import anthropic_error_body
+from agentkv.server.metrics import observe_usage
+from agentkv.server.pipeline.context import Prepared
+from agentkv.server.pipeline.engine_call import Refusal
+from agentkv.server.pipeline.turn import Turn
 
 
 def message_id() -> str:

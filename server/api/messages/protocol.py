@@ -7,8 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ....compaction.policy import ContextManagement
-from ...options import AgentKVFields, EngineBound
+from agentkv.compaction.policy import ContextManagement
+from agentkv.server.options import AgentKVFields, EngineBound
 
 
 class AnthropicMessage(BaseModel):

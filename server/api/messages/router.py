@@ -15,13 +15,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ...errors import APIError
-from ...options import require_utf8
-from ...edge import EdgeRoute
-from ...pipeline.state import AppState, app_state
-from ...pipeline.turn import TurnInput, prepare_turn, session_of
-from ..deps import ContextDep, EngineDep, OwnerDep
-from ..ids import take_route
+from agentkv.server.api.deps import ContextDep, EngineDep, OwnerDep
+from agentkv.server.api.ids import take_route
+from agentkv.server.edge import EdgeRoute
+from agentkv.server.errors import APIError
+from agentkv.server.options import require_utf8
+from agentkv.server.pipeline.state import AppState, app_state
+from agentkv.server.pipeline.turn import TurnInput, prepare_turn, session_of
+
 from . import compaction as on_demand
 from . import encode, threads
 from .convert import chat_request, conversation, engine_message, offered_tools, tools_to_openai

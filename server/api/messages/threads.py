@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ....compaction.log.session_log import SessionLog
-from ...errors import APIError
-from ...pipeline.sessions import SessionRef
+from agentkv.compaction.log.session_log import SessionLog
+from agentkv.server.errors import APIError
+from agentkv.server.pipeline.sessions import SessionRef
 
 logger = logging.getLogger(__name__)
 TTL_S = 300.0

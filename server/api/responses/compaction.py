@@ -13,15 +13,16 @@ import time
 
 from fastapi.responses import JSONResponse, Response
 
-from ....compaction.edit_kinds.compact import Compact
-from ....compaction.policy import ContextManagement, summary_limit
-from ....compaction.summarize import is_summary
-from ...errors import APIError
-from ...pipeline.compact import compact_now, fired
-from ...pipeline.compaction_item import CompactionSeal
-from ...pipeline.context import ContextManager, Prepared
-from ...pipeline.state import AppState
-from ..ids import new_id
+from agentkv.compaction.edit_kinds.compact import Compact
+from agentkv.compaction.policy import ContextManagement, summary_limit
+from agentkv.compaction.summarize import is_summary
+from agentkv.server.api.ids import new_id
+from agentkv.server.errors import APIError
+from agentkv.server.pipeline.compact import compact_now, fired
+from agentkv.server.pipeline.compaction_item import CompactionSeal
+from agentkv.server.pipeline.context import ContextManager, Prepared
+from agentkv.server.pipeline.state import AppState
+
 from . import encode
 from .convert import ChatRequest, Conversation, after_header
 from .protocol import ResponsesRequest

@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from ....compaction.prompt import Message
-from ...errors import APIError
-from ...pipeline.compaction_item import CompactionSeal
-from ...pipeline.sessions import SessionRef
+from agentkv.compaction.prompt import Message
+from agentkv.server.errors import APIError
+from agentkv.server.pipeline.compaction_item import CompactionSeal
+from agentkv.server.pipeline.sessions import SessionRef
+
 from .protocol import NOT_SENT, CompactRequest, ResponsesRequest
 
 ROLES = ("user", "assistant", "system", "developer")

@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ....compaction.policy import ContextManagement
-from ...options import AgentKVFields, EngineBound
+from agentkv.compaction.policy import ContextManagement
+from agentkv.server.options import AgentKVFields, EngineBound
 
 
 class Reasoning(BaseModel):

@@ -14,12 +14,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ...edge import EdgeRoute
-from ...options import require_utf8
-from ...pipeline.state import app_state
-from ...pipeline.turn import TurnInput, prepare_turn
-from ..deps import ContextDep, EngineDep, OwnerDep
-from ..ids import take_route
+from agentkv.server.api.deps import ContextDep, EngineDep, OwnerDep
+from agentkv.server.api.ids import take_route
+from agentkv.server.edge import EdgeRoute
+from agentkv.server.options import require_utf8
+from agentkv.server.pipeline.state import app_state
+from agentkv.server.pipeline.turn import TurnInput, prepare_turn
+
 from . import compaction, encode
 from .convert import conversation, to_chat
 from .protocol import CompactRequest, ResponsesRequest

@@ -8,10 +8,11 @@ import asyncio
 import re
 from collections.abc import Mapping
 
-from ....compaction.log.session_log import SessionLog
-from ....compaction.prompt import Message
-from ...errors import APIError
-from ...pipeline.sessions import SessionRef, session_ref
+from agentkv.compaction.log.session_log import SessionLog
+from agentkv.compaction.prompt import Message
+from agentkv.server.errors import APIError
+from agentkv.server.pipeline.sessions import SessionRef, session_ref
+
 from .convert import Conversation, to_messages
 from .protocol import CompactRequest, ResponsesRequest
 
