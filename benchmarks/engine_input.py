@@ -83,7 +83,7 @@ def measure(endpoint: Endpoint, sizes: list[int], rounds: int) -> list[dict]:
             base = conversation(lambda m: len(tokens_of(m)), size)
             sid = f"engine-input-{size}-{time.time_ns()}"
 
-            def request(way: str, messages: list[dict]) -> tuple:
+            def request(way: str, messages: list[dict], sid: str = sid) -> tuple:
                 """(client, path, body, headers) of one way; the token ids are made here, not timed."""
                 client, path, body, headers = {
                     WAYS[0]: (front, "/v1/chat/completions", {"messages": messages}, {"X-Session-Id": sid + "-t"}),

@@ -111,7 +111,7 @@ def agentkv_phase(ep: Endpoint, renderer, seeds: list[int], uses: list[int], mod
     with ep.http() as http:
         model = ep.model()["id"]
         msgs, questions = sc.conversation(99, 2)
-        for name, kv_reuse, blend in mode_list:   # warm-up: first requests, the probe's load
+        for _name, kv_reuse, blend in mode_list:   # warm-up: first requests, the probe's load
             run_mode(http, model, msgs, questions[:1], kv_reuse, blend, f"warm-{uuid.uuid4().hex[:8]}")
         for seed in seeds:
             for n in uses:

@@ -194,7 +194,7 @@ def prompt_rows(renderer_of, bases: dict[int, list[dict]], turns: int, new_sizes
         for mode in ("segments", "whole"):
             ctx, policy, log = _context_step(renderer_of(mode == "segments"), window=WINDOW)
             times, cpu = [], []
-            for i, msgs in enumerate(grown):
+            for msgs in grown:
                 t0, c0 = time.perf_counter(), time.process_time()
                 p = ctx.prepare("bench", SessionRef(f"s{size}"), msgs, TOOLS, policy, want_ids=True)
                 times.append(time.perf_counter() - t0)
@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> dict:
                        desc=f"relay A/B, {model}")
             tokens = args.tokens or TOKENS.get(served, TOKENS[SMOLLM2])
             rows = relay_rows((ep.url, ep.api_key), engine, model, args.concurrency, tokens, args.rounds,
-                              lambda: bar.update(), roles=None if args.url else processes(ep.proc.pid),
+                              bar.update, roles=None if args.url else processes(ep.proc.pid),
                               samples=args.ttft_samples)
             relay += [{"model": model, **r} for r in rows]
             bar.close()

@@ -45,7 +45,7 @@ def known_configs() -> dict[str, dict]:
 
 def config_table(context: int) -> list[dict]:
     rows = []
-    for key, cfg in known_configs().items():
+    for cfg in known_configs().values():
         for dtype in (None, "fp8"):
             b = kv_bytes(cfg, context, dtype)
             rows.append({"model": cfg["name"], "kv_dtype": dtype or cfg.get("torch_dtype") or "bfloat16",

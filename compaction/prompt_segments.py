@@ -27,7 +27,7 @@ When it holds, and what happens when it does not:
 
 from __future__ import annotations
 
-import logging
+import functools
 import threading
 from array import array
 from collections import OrderedDict
@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger(__name__)
 Message = dict[str, Any]
 RenderText = Callable[[list[Message], "list | None", bool], str]
 
@@ -197,12 +196,12 @@ def check_template(render: RenderText, template: Any) -> TemplateCheck:
                                 return TemplateCheck(f"a {msgs[i]['role']} message after a {msgs[i - 1]['role']} "
                                                      "message does not render on its own")
                             if tools and tools_free:
-                                tools_free = _same_without_tools(seg, lambda: segment_text(full, msgs, i, None))
+                                tools_free = _same_without_tools(seg, functools.partial(segment_text, full, msgs, i, None))
                         gen = generation_text(full, msgs, tools)
                         if prompt != texts[-1] + gen:
                             return TemplateCheck("the generation prompt is not appended to the conversation")
                         if tools and tools_free:
-                            tools_free = _same_without_tools(gen, lambda: generation_text(full, msgs, None))
+                            tools_free = _same_without_tools(gen, functools.partial(generation_text, full, msgs, None))
                     except NotLocal as exc:
                         return TemplateCheck(str(exc))
                     checked += 1

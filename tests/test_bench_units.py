@@ -151,7 +151,7 @@ def test_public_traces_become_growing_conversations_of_their_scaled_size():
         ma, mb = a["body"]["messages"], b["body"]["messages"]
         assert mb[:len(ma)] == ma and [m["role"] for m in mb[len(ma):]] == ["assistant", "user"]
         assert (a["body"]["system"], a["body"]["tools"]) == (b["body"]["system"], b["body"]["tools"])
-    for i, (req, r) in enumerate(zip(reqs[1:], t["requests"][1:]), 1):
+    for req, r in zip(reqs[1:], t["requests"][1:]):
         said, user = req["body"]["messages"][-2:]
         if "tool_result" in r["input_types"]:
             assert said["content"][-1]["type"] == "tool_use"

@@ -87,7 +87,7 @@ def test_the_engine_reserves_the_same_cores_whatever_the_kv_mode(monkeypatch):
     cores the default server had one compute core and the shift server two)."""
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "5")          # the front's own environment: overridden
     for cores, default in ((2, "0"), (4, "0"), (16, "1")):
-        monkeypatch.setattr(os, "cpu_count", lambda: cores)
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
         envs = []
         for mode in ("recompute", "shift", "blend"):
             eng = EngineProcess(ServeConfig(kv_reuse=mode), "/m", "cpu")

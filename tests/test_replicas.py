@@ -153,7 +153,7 @@ def test_each_conversation_stays_on_one_replica_on_every_api(cluster):
     for headers in ({}, {"X-Claude-Code-Session-Id": "not an id / " + "x" * 200}):
         seen = []
         messages = [{"role": "system", "content": f"{SYSTEM} Conversation {uuid.uuid4()}."}]
-        for t in range(3):
+        for _ in range(3):
             before = cluster.router.server_responses()
             messages, _ = chat_turns(url, None, 1, messages, **headers)
             seen += cluster.served(before)

@@ -72,7 +72,7 @@ class SessionLog(ABC):
         """(id, role, call, body) of messages of ``session`` holding every word of ``query_words``
         (any word when not ``all_words``), each word also as a prefix; tool outputs first, then rank."""
 
-    def _lock_session(self, run: Exec, session: str) -> None:
+    def _lock_session(self, run: Exec, session: str) -> None:  # noqa: B027 (a no-op where a backend needs none)
         """Serialize appends to one session across processes (where the backend needs it)."""
 
     @abstractmethod

@@ -75,7 +75,7 @@ def cover(new_ids: Sequence[int], sources: Sequence[Sequence[int] | None], spans
     arrays = [None if s is None else np.asarray(s, dtype=np.int64) for s in sources]
     runs: list[Run] = []
     pos = start
-    for lo, hi, src, off in pieces(spans, limit):
+    for _lo, hi, src, off in pieces(spans, limit):
         if hi <= pos:
             continue
         held = arrays[src] if src < len(arrays) else None

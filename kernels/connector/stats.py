@@ -69,7 +69,7 @@ class AgentKVPromMetrics(KVConnectorPromMetrics):
         self._held = self.make_per_engine(self._gauge_cls(
             name="vllm:agentkv_kv_held_blocks", labelnames=labelnames, multiprocess_mode="mostrecent",
             documentation="KV block references agentkv's connector holds for sessions' next turns"))
-        for engine, values in per_engine_labelvalues.items():   # every reason shows, zero or not
+        for values in per_engine_labelvalues.values():   # every reason shows, zero or not
             for reason in FALLBACKS:
                 self._fallbacks.labels(*values, reason)
 

@@ -160,6 +160,17 @@ def _tool_call(b: dict) -> dict:
             "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}}
 
 
+def _flush(out: list[Message], group: list[dict], calls: list[dict]) -> None:
+    """The assistant blocks and tool calls gathered so far as one message, then none gathered."""
+    if group or calls:
+        msg: Message = {"role": "assistant", "content": list(group) or None}
+        if calls:
+            msg["tool_calls"] = list(calls)
+        out.append(msg)
+    group.clear()
+    calls.clear()
+
+
 def conversation(system: Any, messages: list[dict], takes_images: bool = False) -> list[Message]:
     """The request's conversation as OpenAI messages, every block whole (see the module docstring)."""
     check = _Checker(takes_images)
@@ -195,25 +206,16 @@ def conversation(system: Any, messages: list[dict], takes_images: bool = False) 
             group: list[dict] = []
             calls: list[dict] = []
 
-            def flush() -> None:
-                if group or calls:
-                    msg: Message = {"role": "assistant", "content": list(group) or None}
-                    if calls:
-                        msg["tool_calls"] = list(calls)
-                    out.append(msg)
-                group.clear()
-                calls.clear()
-
             for j, b in enumerate(content or []):
                 b = check.block(b, ASSISTANT_BLOCKS, f"{where}.{j}")
                 if b["type"] == "compaction":
-                    flush()
+                    _flush(out, group, calls)
                     out.append({"role": "assistant", "content": [b]})
                 elif b["type"] == "tool_use":
                     calls.append(_tool_call(b))
                 else:
                     group.append(b)
-            flush()
+            _flush(out, group, calls)
             if not content:
                 out.append({"role": "assistant", "content": []})
     return out
