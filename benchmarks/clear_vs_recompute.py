@@ -31,7 +31,8 @@ def conversation(context: int) -> list[dict]:
     while 60 + 620 * (i + 1) <= context:
         out = "\n".join(f"check {i}.{j}: service ok latency {(i * 31 + j * 7) % 400} ms" for j in range(45))
         msgs += [{"role": "assistant", "content": None, "tool_calls": [
-                     {"id": f"c{i}", "type": "function", "function": {"name": "bash", "arguments": json.dumps({"n": i})}}]},
+                     {"id": f"c{i}", "type": "function",
+                      "function": {"name": "bash", "arguments": json.dumps({"n": i})}}]},
                  {"role": "tool", "tool_call_id": f"c{i}", "content": out}]
         i += 1
     return msgs
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="agentkv bench clear-vs-recompute", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="two small contexts (smoke test)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096],
-                    help="conversation sizes to build, in estimated tokens before clearing (SmolLM2's tokenizer makes them about a third larger; the default fits its 8192-token window)")
+                    help="conversation sizes to build, in estimated tokens before clearing (SmolLM2's tokenizer "
+                         "makes them about a third larger; the default fits its 8192-token window)")
     ap.add_argument("--model", default=DEFAULT_MODEL,
                     help=f"model of the server started for the run (default: {DEFAULT_MODEL}; agentkv-tiny-1l: "
                          "the exactness model)")

@@ -184,28 +184,33 @@ def main(argv: list[str] | None = None) -> dict:
     from agentkv.server.embedded_model import TinyModelSpec, build_model
     from agentkv.server.embedded_model.catalog import models_dir
 
-    wide = build_model(models_dir() / "agentkv-tiny-wide", TinyModelSpec(max_position_embeddings=262144, eos_weight=3.5))
+    wide = build_model(models_dir() / "agentkv-tiny-wide",
+                       TinyModelSpec(max_position_embeddings=262144, eos_weight=3.5))
     # no default context policy: every way must send the engine the same prompt
     serve = ("--model", str(wide), "--served-model-name", "agentkv-tiny-wide", "--max-model-len", "230000",
              "--no-context-management")
     with Endpoint(serve_args=serve) as ep:
         rows, counts = measure(ep, sorted(sizes), rounds)
     m = machine()
-    result = {"machine": m, "model": "agentkv-tiny-wide", "rounds": rounds, "rows": rows, "engine_input_requests": counts}
-    fig = plot(rows, f"engine input: a prefix-cached agent turn, {rounds} rounds A/B, agentkv-tiny-wide\n{machine_line(m)}")
+    result = {"machine": m, "model": "agentkv-tiny-wide", "rounds": rounds, "rows": rows,
+              "engine_input_requests": counts}
+    fig = plot(rows, f"engine input: a prefix-cached agent turn, {rounds} rounds A/B, agentkv-tiny-wide\n"
+                     f"{machine_line(m)}")
     jpath, ppath = write_results("engine-input" + ("-quick" if args.quick else ""), result, fig, args.out)
     print_table(f"engine input (agentkv-tiny-wide, {rounds} rounds per size, interleaved)",
                 ["tokens", "way", "TTFT median ms", "vs vLLM messages ms (median, 95%)", "ratio (95%)",
                  "vLLM render ms", "front CPU ms", "vLLM API server CPU ms"],
                 [[r["tokens"], r["way"], r["median_ms"],
-                  f"{r['vs_vllm_messages_median_ms']:+.1f} ({r['vs_vllm_messages_p2_5_ms']:+.1f}..{r['vs_vllm_messages_p97_5_ms']:+.1f})",
+                  f"{r['vs_vllm_messages_median_ms']:+.1f} "
+                  f"({r['vs_vllm_messages_p2_5_ms']:+.1f}..{r['vs_vllm_messages_p97_5_ms']:+.1f})",
                   f"{r['ratio_to_vllm_messages']:.2f} ({r['ratio_p2_5']:.2f}..{r['ratio_p97_5']:.2f})",
                   r["vllm_render_ms"], r["front_cpu_ms"], r["vllm_api_server_cpu_ms"]] for r in rows],
                 machine_line(m))
     for r in rows:
         if r["way"] == WAYS[0]:
-            print(f"{r['tokens']} tokens: agentkv with token ids {r['vs_vllm_messages_median_ms']:+.0f} ms against vLLM "
-                  f"with messages, whose render took {r['vllm_render_ms']:.0f} ms: "
-                  f"{'ahead by at least the render' if r['faster_than_vllm_messages_by_render'] else 'not ahead by the whole render'}")
+            ahead = ("ahead by at least the render" if r["faster_than_vllm_messages_by_render"]
+                     else "not ahead by the whole render")
+            print(f"{r['tokens']} tokens: agentkv with token ids {r['vs_vllm_messages_median_ms']:+.0f} ms "
+                  f"against vLLM with messages, whose render took {r['vllm_render_ms']:.0f} ms: {ahead}")
     print(f"wrote {jpath} and {ppath}")
     return result

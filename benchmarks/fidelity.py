@@ -61,12 +61,14 @@ def run_mode(http, model: str, msgs: list[dict], questions: list[sc.Question], k
     cm = {"edits": [sc.CLEAR]}
     _post(http, {**base, "messages": msgs, "max_tokens": 1, "context_management": {"edits": []}}, salt)
     t0 = time.perf_counter()
-    edit = _post(http, {**base, "messages": sc.ask(msgs, questions[0]), "max_tokens": 1, "context_management": cm}, salt)
+    edit = _post(http, {**base, "messages": sc.ask(msgs, questions[0]), "max_tokens": 1,
+                        "context_management": cm}, salt)
     ttft = time.perf_counter() - t0
     report = edit["context_management"]["applied_edits"][0]
     kv = report.get("kv", {})
     usage = edit["usage"]
-    recomputed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"] + kv.get("pass_computed_tokens", 0)
+    recomputed = (usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+                  + kv.get("pass_computed_tokens", 0))
     def answer(q: sc.Question) -> dict:
         body = {**base, "kv_reuse": "recompute", "messages": sc.ask(msgs, q), "max_tokens": MAX_TOKENS,
                 "stop": ["\n"], "logprobs": True, "top_logprobs": TOP, "context_management": cm}
@@ -216,7 +218,8 @@ def decide(agg: list[dict]) -> dict:
         verdicts.append({"mode": a["mode"], "points_below_recompute": gap, "ttft_speedup": speed,
                          "meets": gap <= 1.0 and speed >= 3.0})
     return {"uses": n, "prompt_tokens": ref["prompt_tokens"], "recompute_kept_acc": ref["kept_acc"],
-            "recompute_ttft_s": ref["ttft_s"], "modes": verdicts, "meeting": [v["mode"] for v in verdicts if v["meets"]]}
+            "recompute_ttft_s": ref["ttft_s"], "modes": verdicts,
+            "meeting": [v["mode"] for v in verdicts if v["meets"]]}
 
 
 def plot(agg: list[dict], title: str):
@@ -331,7 +334,8 @@ def main(argv: list[str] | None = None) -> dict:
                 extra["peer_error"] = str(exc)[:500]
     agg = aggregate(rows)
     result = {"machine": m, "model": info["id"], **extra, "seeds": seeds,
-              "uses": uses, "questions": sum(r["kept"]["n"] + r["ghost"]["n"] for r in rows if r["mode"] == "recompute"),
+              "uses": uses,
+              "questions": sum(r["kept"]["n"] + r["ghost"]["n"] for r in rows if r["mode"] == "recompute"),
               "decision": decide(agg), "summary": agg, "rows": rows}
     jpath, ppath = write_results(name, result, plot(agg, f"fidelity after clearing, {info['id']}\n{machine_line(m)}"),
                                  args.out)

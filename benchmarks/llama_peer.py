@@ -304,7 +304,8 @@ class LlamaServer:
         t0 = time.perf_counter()
         with self._http.stream("POST", "/completion", json=body) as r:
             if r.status_code != 200:
-                raise PeerError(f"llama-server /completion answered {r.status_code}: {r.read().decode(errors='replace')}")
+                raise PeerError(f"llama-server /completion answered {r.status_code}: "
+                                f"{r.read().decode(errors='replace')}")
             for line in r.iter_lines():
                 if line.startswith("error:"):
                     raise PeerError(f"llama-server /completion: {line[6:].strip()}")

@@ -123,9 +123,11 @@ async def measure(url: str, api_key: str | None, model: str, sessions: int, turn
             "requests_with_clearing": sum(r["cleared"] for r in recs),
             "session_hit_rates": hit_rates, "hit_rate_mean": float(np.mean(hit_rates)) if hit_rates else None,
             "hit_rate_min": min(hit_rates, default=None),
-            "logs_complete": sum(complete), "max_prompt_tokens": max((max(r["prompt_tokens"], default=0) for r in recs)),
+            "logs_complete": sum(complete),
+            "max_prompt_tokens": max((max(r["prompt_tokens"], default=0) for r in recs)),
             "latencies_s": lat.tolist(),
-            "per_turn": [{"prompt_tokens": p, "latency_s": x} for r in recs for p, x in zip(r["prompt_tokens"], r["latencies"])]}
+            "per_turn": [{"prompt_tokens": p, "latency_s": x}
+                         for r in recs for p, x in zip(r["prompt_tokens"], r["latencies"])]}
 
 
 def hit_rate(rec: dict) -> float:

@@ -60,7 +60,8 @@ def _kv_memory(r: dict) -> str:
                     [[series_label(r["session"], x["policy"]), x["turn"], x["prompt_tokens"],
                       ", ".join(x["edits_fired"]) or "-", x["gib_served_model"], x["gib_if_llama_3_8b"]]
                      for x in r["session"]])
-    return head + configs + f"\n\nKV held at each turn of the delayed-recall session (window {r['window']}):\n\n" + session
+    return (head + configs + f"\n\nKV held at each turn of the delayed-recall session (window {r['window']}):\n\n"
+            + session)
 
 
 def _decode(r: dict) -> str:
@@ -115,8 +116,8 @@ def _fidelity(r: dict) -> str:
     verdict = "; ".join(f"{v['mode']}: {v['points_below_recompute']:+.1f} points below, {v['ttft_speedup']:.2f}x"
                         for v in d["modes"])
     meeting = ", ".join(d["meeting"]) or "none"
-    return (table(["tool uses", "prompt tokens", "mode", "TTFT s", "recomputed tokens", "kept facts right", "near a cut",
-                   "far", "ghost answers", "KL (top-20)", "top-1 agrees", "greedy match"], rows)
+    return (table(["tool uses", "prompt tokens", "mode", "TTFT s", "recomputed tokens", "kept facts right",
+                   "near a cut", "far", "ghost answers", "KL (top-20)", "top-1 agrees", "greedy match"], rows)
             + f"\n\n{r['questions']} questions per mode (seeds: {len(r['seeds'])}; KV block size {r['block_size']}). "
             f"At the largest size ({d['prompt_tokens']} tokens; recompute {_pct(d['recompute_kept_acc'])} right, "
             f"TTFT {d['recompute_ttft_s']:.2f} s): {verdict}. Within 1 point of recompute at >= 3x lower TTFT: "
@@ -195,9 +196,9 @@ def _front(r: dict) -> str:
                 "direct burst, median over rounds and ranks; ratio and extra with 95% intervals, rounds "
                 "resampled; goal: decode ratio at least 0.95 and TTFT extra at most 5 ms, met when both intervals "
                 "are inside, unresolved when one spans its bound):\n\n")
-        out += table(["model", "streams", "agentkv decode tok/s", "engine decode tok/s", "ratio [95%]", "end-to-end ratio",
-                      "rounds", "agentkv TTFT p50 ms", "engine TTFT p50 ms", "TTFT extra ms [95%]",
-                      "front before the engine ms p50 / p90", "front CPU µs/event",
+        out += table(["model", "streams", "agentkv decode tok/s", "engine decode tok/s", "ratio [95%]",
+                      "end-to-end ratio", "rounds", "agentkv TTFT p50 ms", "engine TTFT p50 ms",
+                      "TTFT extra ms [95%]", "front before the engine ms p50 / p90", "front CPU µs/event",
                       "vLLM API server CPU µs/event", "goal"],
                      [[x["model"], x["concurrency"], x["agentkv_tok_s"], x["engine_tok_s"],
                        ratio(x), x["e2e_ratio"], x["rounds"], x["agentkv_ttft_p50_ms"],
@@ -279,7 +280,8 @@ def _load_result(results: Path, name: str) -> dict:
 
 
 def _where(r: dict, name: str) -> str:
-    return f"[`{name}`](benchmarks/README.md#{name}), {r['measured_at'][:10]}, {machine_line(r['machine']).replace(' | ', ', ')}"
+    return (f"[`{name}`](benchmarks/README.md#{name}), {r['measured_at'][:10]}, "
+            f"{machine_line(r['machine']).replace(' | ', ', ')}")
 
 
 def headlines(results: Path = RESULTS) -> str:
@@ -292,7 +294,8 @@ def headlines(results: Path = RESULTS) -> str:
         m, f = move[n], fill[n]
         rows.append([f"{n:,} tokens of Llama-3-8B KV: clearing moves them (Triton)",
                      f"{m['kernel_ms']:.2f} ms ({m['kernel_gb_per_s']:,.0f} GB/s)",
-                     f"recompute (prefill): {f['prefill_s']:.2f} s, {f['prefill_s'] * 1e3 / m['kernel_ms']:,.0f}x the move",
+                     f"recompute (prefill): {f['prefill_s']:.2f} s, "
+                     f"{f['prefill_s'] * 1e3 / m['kernel_ms']:,.0f}x the move",
                      _where(gpu, "gpu_check") + "; " + "[`gpu-prefill`](benchmarks/README.md#gpu-prefill)"])
     cases = gpu["correctness"]
     rows.append(["Triton kernel correctness on the GPU", f"{sum(c['passed'] for c in cases)}/{len(cases)} cases pass",
@@ -334,8 +337,9 @@ def headlines(results: Path = RESULTS) -> str:
         o = r["overall"]
         if not {"vllm", "recompute", "shift"} <= set(o):
             continue
-        rows.append([f"{o['recompute']['sessions']} public Claude Code traces (kv-cache-tester), {r['concurrent']} at once, "
-                     f"{r['trace_words']} tokens per 64-token block on a {r['window']:,}-token window",
+        rows.append([f"{o['recompute']['sessions']} public Claude Code traces (kv-cache-tester), "
+                     f"{r['concurrent']} at once, {r['trace_words']} tokens per 64-token block on a "
+                     f"{r['window']:,}-token window",
                      f"agentkv answers {o['recompute']['answered']}/{o['recompute']['turns']} turns: "
                      f"{_times(o['recompute']['ratio'])} the floor's tokens computed over the sessions answered whole "
                      f"(recompute; worst session "
@@ -356,7 +360,8 @@ def render(name: str, result: dict) -> str:
     """The README block for one results file: where and when it was measured, then its tables."""
     models = result.get("models") or ([result["model"]] if result.get("model") else [])
     caption = (f"*`{name}`: measured {result['measured_at'][:10]} on {machine_line(result['machine'])}"
-               f"{', model' + ('s ' if len(models) > 1 else ' ') + ', '.join(f'`{m}`' for m in models) if models else ''}; "
+               f"{', model' + ('s ' if len(models) > 1 else ' ') if models else ''}"
+               f"{', '.join(f'`{m}`' for m in models)}; "
                f"`benchmarks/results/{name}.json`.*\n\n")
     renderer = RENDERERS.get(name) or (_sessions if name.split("-")[0] == "sessions" else _rows)
     return caption + renderer(result) + "\n"

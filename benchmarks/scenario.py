@@ -68,7 +68,8 @@ class Scenario:
                 {"role": "user", "content": "Run python diag.py on each service and keep the results in mind."}]
         for i, svc in enumerate(SERVICES):
             msgs += [_call(i, "bash", {"cmd": f"python diag.py {svc}"}),
-                     {"role": "tool", "tool_call_id": f"call_{i}", "content": report(rng, svc, facts[svc], noise_lines)}]
+                     {"role": "tool", "tool_call_id": f"call_{i}",
+                      "content": report(rng, svc, facts[svc], noise_lines)}]
         msgs.append({"role": "user", "content": "diag.py has been deleted; its reports exist only in this session."})
         pairs = [(s, f) for s in SERVICES for f in FACTS]
         rng.shuffle(pairs)

@@ -109,7 +109,8 @@ def _responses(body: dict, script: Script, main: bool) -> list:
         item = {"type": "message", "id": f"msg_{uuid.uuid4().hex[:12]}", "role": "assistant", "status": "completed",
                 "content": [{"type": "output_text", "text": FINAL if main else "ok", "annotations": []}]}
     else:
-        item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:12]}", "call_id": f"call_{uuid.uuid4().hex[:12]}",
+        item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:12]}",
+                "call_id": f"call_{uuid.uuid4().hex[:12]}",
                 "name": call[0], "arguments": json.dumps(call[1]), "status": "completed"}
     usage = {"input_tokens": 1, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 1,
              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 2}

@@ -153,7 +153,8 @@ def wide_model(layers: int) -> tuple[str, str]:
     from agentkv.server.embedded_model.catalog import models_dir
 
     name = f"agentkv-tiny-{layers}l-wide"
-    return str(build_model(models_dir() / name, TinyModelSpec(layers=layers, max_position_embeddings=FLOOR_WINDOW))), name
+    return str(build_model(models_dir() / name,
+                           TinyModelSpec(layers=layers, max_position_embeddings=FLOOR_WINDOW))), name
 
 
 def agentkv_args(arm: str, path: str, model: str, window: int) -> tuple[str, ...]:
@@ -238,7 +239,8 @@ def plot(result: dict, title: str):
         a1.set_ylabel("tokens computed / floor")
         a1.legend(fontsize=7)
         for arm in result["overall"]:
-            lat = sorted(r["latency_s"] for s in names for r in result["sessions"][s]["rows"][arm] if r["status"] == 200)
+            lat = sorted(r["latency_s"] for s in names for r in result["sessions"][s]["rows"][arm]
+                         if r["status"] == 200)
             a2.plot(lat, [(i + 1) / len(lat) for i in range(len(lat))], label=f"{arm} (p99 "
                     f"{result['overall'][arm]['latency_p99_s']} s)")
         a2.set_xscale("log")

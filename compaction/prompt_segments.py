@@ -196,7 +196,8 @@ def check_template(render: RenderText, template: Any) -> TemplateCheck:
                                 return TemplateCheck(f"a {msgs[i]['role']} message after a {msgs[i - 1]['role']} "
                                                      "message does not render on its own")
                             if tools and tools_free:
-                                tools_free = _same_without_tools(seg, functools.partial(segment_text, full, msgs, i, None))
+                                tools_free = _same_without_tools(seg,
+                                                                 functools.partial(segment_text, full, msgs, i, None))
                         gen = generation_text(full, msgs, tools)
                         if prompt != texts[-1] + gen:
                             return TemplateCheck("the generation prompt is not appended to the conversation")

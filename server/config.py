@@ -45,13 +45,16 @@ class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(DEFAULT_MODEL, description="an embedded model (smollm2-135m-instruct: SmolLM2-135M-Instruct, "
-                       "built from PyPI; agentkv-tiny, agentkv-tiny-<N>l: random test models) or an HF model id / local path")
+                       "built from PyPI; agentkv-tiny, agentkv-tiny-<N>l: random test models) "
+                       "or an HF model id / local path")
     host: str = Field("127.0.0.1", description="address the OpenAI-compatible API binds to")
     port: int = Field(8000, ge=0, le=65535, description="port of the API (0: pick a free one)")
     max_model_len: int | None = Field(None, gt=0, description="context window; default: the model's")
-    api_key: tuple[str, ...] = Field((), repr=False, description="accepted API key (repeat for several); each key sees only its own sessions")
+    api_key: tuple[str, ...] = Field((), repr=False, description="accepted API key (repeat for several); each key "
+                                     "sees only its own sessions")
     served_model_name: str | None = Field(None, description="model name clients use; default: --model")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where vLLM runs; auto: cuda if a GPU is visible")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where vLLM runs; auto: cuda if a GPU is "
+                                                   "visible")
     tool_call_parser: str | None = Field("hermes", description="vLLM tool-call parser for the model ('' to disable)")
     dtype: str = Field("auto", description="weights/activation dtype (auto: float32 on CPU, model's on GPU)")
     kv_cache_gib: int = Field(1, ge=1, description="CPU only: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
@@ -63,7 +66,8 @@ class ServeConfig(BaseModel):
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM pipeline parallelism (Ray for multi-node)")
     enforce_eager: bool | None = Field(None, description="disable graph capture (default: on for CPU, off for GPU)")
     engine_startup_timeout_s: float = Field(900.0, gt=0, description="seconds to wait for vLLM to become healthy")
-    engine_restarts: int = Field(3, ge=0, description="relaunch vLLM when it dies, at most this many times an hour (0: never)")
+    engine_restarts: int = Field(3, ge=0, description="relaunch vLLM when it dies, at most this many times an hour "
+                                 "(0: never)")
     engine_stall_s: float | None = Field(
         None, gt=0, description="seconds the engine may go without progress (work in flight, or any of its "
                                 "processes stopped) before it is killed and relaunched; default: 120 on CPU and GPU "
@@ -96,7 +100,8 @@ class ServeConfig(BaseModel):
     compaction_key_file: str | None = Field(None, description="the key that signs compaction items: 32 bytes or 64 hex "
                                             "digits, made when missing; default $AGENTKV_HOME/compaction.key "
                                             "(replicas must share it)")
-    session_db: str | None = Field(None, repr=False, description="session log: a SQLite path or a postgresql:// URL; default $AGENTKV_HOME/sessions.db")
+    session_db: str | None = Field(None, repr=False, description="session log: a SQLite path or a postgresql:// URL; "
+                                   "default $AGENTKV_HOME/sessions.db")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
     @field_validator("host")

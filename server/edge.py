@@ -136,7 +136,8 @@ class Edge:
         try:
             body = await asyncio.to_thread(self._inflate, raw, encoding)   # CPU work off the event loop
         except (zlib.error, zstandard.ZstdError, EOFError) as exc:
-            raise Refused(400, f"the request body is not valid {encoding.decode()} ({exc})", "invalid_encoding") from None
+            raise Refused(400, f"the request body is not valid {encoding.decode()} ({exc})",
+                          "invalid_encoding") from None
         if body is None:
             raise self._too_large()
         return body

@@ -187,7 +187,8 @@ def haproxy() -> str:
     from agentkv.benchmarks.router import find_haproxy as find
 
     if find() is None and os.geteuid() == 0:
-        subprocess.run(["bash", "-c", "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy"],
+        subprocess.run(["bash", "-c", "apt-get update -qq && "
+                                      "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy"],
                        capture_output=True, timeout=600)
     if find() is None:
         if os.environ.get("CI"):

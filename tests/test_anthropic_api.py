@@ -33,9 +33,11 @@ def client(server) -> anthropic.Anthropic:
 def diag() -> list[dict]:
     out = "\n".join(f"media check {j}: ok" for j in range(80)) + f"\n{FACT}"
     return [{"role": "user", "content": "check media"},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": "tu1", "name": "bash", "input": {"cmd": "diag"}}]},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "tu1", "name": "bash",
+                                               "input": {"cmd": "diag"}}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu1", "content": out}]},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": "tu2", "name": "bash", "input": {"cmd": "ls"}}]},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "tu2", "name": "bash",
+                                               "input": {"cmd": "ls"}}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu2", "content": "a.py"},
                                          {"type": "text", "text": "what is slow?"}]}]
 
@@ -135,7 +137,8 @@ def test_every_content_block_is_logged_whole(server):
               {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}}]
     msgs = [
         {"role": "user", "content": [{"type": "text", "text": "<system-reminder>ctx</system-reminder>"},
-                                     {"type": "text", "text": "read the docs", "cache_control": {"type": "ephemeral"}}]},
+                                     {"type": "text", "text": "read the docs",
+                                      "cache_control": {"type": "ephemeral"}}]},
         {"role": "system", "content": "Agents available: Explore."},
         {"role": "assistant", "content": [
             {"type": "thinking", "thinking": "I should read it.", "signature": "EqQBCkYIBxgCKkA"},
@@ -200,8 +203,9 @@ def claude_code_body(session: str, **over) -> dict:
             **over}
 
 
-CLAUDE_HEADERS = {"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27,"
-                                    "mid-conversation-system-2026-04-07,some-future-beta-2027-01-01",
+CLAUDE_HEADERS = {"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,"
+                                    "context-management-2025-06-27,mid-conversation-system-2026-04-07,"
+                                    "some-future-beta-2027-01-01",
                   "anthropic-version": "2023-06-01"}
 
 

@@ -132,7 +132,8 @@ def test_engine_form_of_each_block():
     ([{"role": "user", "content": [{"type": "document", "source": {
         "type": "base64", "media_type": "application/pdf", "data": "JVBE"}}]}], "messages.0.content.0"),
     ([{"role": "user", "content": [{"type": "web_search_tool_result", "tool_use_id": "w"}]}], "messages.0.content.0"),
-    ([{"role": "assistant", "content": [{"type": "tool_use", "name": "bash", "input": {}}]}], "messages.0.content.0.id"),
+    ([{"role": "assistant", "content": [{"type": "tool_use", "name": "bash", "input": {}}]}],
+     "messages.0.content.0.id"),
 ])
 def test_blocks_a_text_model_cannot_take_are_named(msgs, where):
     with pytest.raises(APIError) as err:

@@ -90,7 +90,8 @@ def test_a_thread_expires_five_minutes_after_its_last_response(tmp_path):
     log = open_session_log(tmp_path / "log.db")
     mid = f"msg_{uuid.uuid4().hex}"
     log.put_response(mid, "o/s", None, [{"role": "user", "content": "hi"}], {"kind": threads.KIND})
-    body = {"messages": [{"role": "user", "content": "more"}], "thread": {"type": "continue", "previous_message_id": mid}}
+    body = {"messages": [{"role": "user", "content": "more"}],
+            "thread": {"type": "continue", "previous_message_id": mid}}
     assert asyncio.run(threads.resume(log, "o", dict(body))).parent == mid
     with log.lock:
         log.conn.execute("UPDATE responses SET created = ? WHERE id = ?", (time.time() - threads.TTL_S - 1, mid))
@@ -138,7 +139,8 @@ def test_altered_forged_foreign_and_misplaced_blocks_get_anthropics_errors(small
          c, "compaction_content_mismatch"),
         ([{"role": "assistant", "content": [{**block, "signature": block["signature"][:-4] + "AAAA"}]}, after],
          c, "compaction_signature_invalid"),
-        ([{"role": "assistant", "content": [block]}, after], client(small_server, OTHER_KEY), "compaction_signature_invalid"),
+        ([{"role": "assistant", "content": [block]}, after], client(small_server, OTHER_KEY),
+         "compaction_signature_invalid"),
         ([after, {"role": "assistant", "content": [block]}, after], c, "compaction_block_misplaced"),
         ([{"role": "assistant", "content": [block, {**block}]}, after], c, "compaction_block_ambiguous"),
     ]

@@ -102,7 +102,8 @@ def test_a_body_without_a_key_is_refused_before_it_is_read(small_server):
     done.set()
     prober.join()
     assert [r.status_code for r in answers] == [401] * 8
-    assert all(r.json()["error"]["type"] == "authentication_error" for r in answers if r.request.url.path == "/v1/messages")
+    assert all(r.json()["error"]["type"] == "authentication_error"
+               for r in answers if r.request.url.path == "/v1/messages")
     assert front.memory_info().rss - rss < 50 * 2**20
     assert health and set(health) == {200}
     r = small_server.http().post("/v1/chat/completions", content=b"[" * 100_000 + b"]" * 100_000,

@@ -44,7 +44,8 @@ def test_kept_facts_are_placed_after_a_cut(renderer):
 
 
 @pytest.mark.parametrize("argv, error", [
-    (["--fractions", "1.5"], "--fractions"), (["--fractions", "0"], "--fractions"), (["--fractions", "x"], "--fractions"),
+    (["--fractions", "1.5"], "--fractions"), (["--fractions", "0"], "--fractions"),
+    (["--fractions", "x"], "--fractions"),
     (["--strategies", "middle"], "--strategies"), (["--uses", "1"], "--uses"), (["--uses", "40"], "--uses"),
     (["--llama-server", "/nonexistent/llama-server"], "llama-server not found"),
 ])
@@ -65,7 +66,8 @@ def test_quick_run_on_the_real_model(tmp_path):
         assert r["fallback"] is None and r["question_prefix_hit"] > 0.9        # answers read the mode's K/V
         assert r["kept"]["n"] == r["ghost"]["n"] == 10 and 0 <= r["kept"]["right"] <= 10
     assert rows["recompute"]["reused_tokens"] == 0 and rows["shift"]["reused_tokens"] > 0
-    assert rows["shift"]["recomputed_tokens"] < rows["tail 15%"]["recomputed_tokens"] < rows["recompute"]["recomputed_tokens"]
+    assert (rows["shift"]["recomputed_tokens"] < rows["tail 15%"]["recomputed_tokens"]
+            < rows["recompute"]["recomputed_tokens"])
     assert rows["cuts 15%"]["passes"] >= 1 and rows["deviation 15%"]["probe_s"] > 0
     assert rows["recompute"]["top1_agree"] == 1.0 and rows["recompute"]["kl_top"] == 0
     assert result["decision"]["uses"] == 4 and len(result["decision"]["modes"]) == 4

@@ -44,7 +44,8 @@ def test_gpu_check_quick_passes_without_vllm(tmp_path):
     result = json.loads((out / "gpu_check-quick.json").read_text())
     assert (out / "gpu_check-quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["machine"] == json.loads(json.dumps(machine()))
-    assert (result["device"], result["quick"], result["triton_interpreted"], result["passed"]) == ("cpu", True, True, True)
+    assert (result["device"], result["quick"], result["triton_interpreted"], result["passed"]) == \
+        ("cpu", True, True, True)
 
     rows = result["correctness"]
     assert [r["name"] for r in rows] == [c.name for c in CASES]

@@ -51,7 +51,8 @@ def test_quick_front_benchmark_writes_results(server, tmp_path):
     assert (tmp_path / "front-quick.png").stat().st_size > 1000
     assert result["machine"]["cpu"] and result["models"] == ["agentkv-tiny"] and url.startswith("unix:")
     prompt = [r for r in result["prompt"] if r["part"] == "prompt"]
-    assert [(r["mode"], r["tokens"]) for r in prompt][::2] == [("segments", t) for t in sorted({r["tokens"] for r in prompt})]
+    assert [(r["mode"], r["tokens"]) for r in prompt][::2] == \
+        [("segments", t) for t in sorted({r["tokens"] for r in prompt})]
     for seg, whole in zip(prompt[::2], prompt[1::2]):   # the same conversations, both ways
         assert (whole["mode"], whole["tokens"], whole["new_tokens_per_request"]) == \
             ("whole", seg["tokens"], seg["new_tokens_per_request"])

@@ -30,8 +30,9 @@ def test_kv_bytes_reads_transformers5_dtype_key():
 
 
 @pytest.mark.parametrize("answer, expected, outcome", [
-    ("8443", "8443", "correct"), ("The port is 8443.", "8443", "correct"), ("E2033 E3201 E5179", "E2033 E3201 E5179", "correct"),
-    ("Not sure.", "8443", "not_sure"), ("I don't know", "x", "not_sure"), ("8080", "8443", "invented"), ("", "1", "invented"),
+    ("8443", "8443", "correct"), ("The port is 8443.", "8443", "correct"),
+    ("E2033 E3201 E5179", "E2033 E3201 E5179", "correct"), ("Not sure.", "8443", "not_sure"),
+    ("I don't know", "x", "not_sure"), ("8080", "8443", "invented"), ("", "1", "invented"),
 ])
 def test_score(answer, expected, outcome):
     assert score(answer, expected) == outcome
@@ -156,7 +157,8 @@ def test_public_traces_become_growing_conversations_of_their_scaled_size():
         if "tool_result" in r["input_types"]:
             assert said["content"][-1]["type"] == "tool_use"
             assert user["content"][0]["tool_use_id"] == said["content"][-1]["id"]
-    words = sum(len(x["description"].split()) for x in reqs[-1]["body"]["tools"]) + len(reqs[-1]["body"]["system"].split())
+    words = (sum(len(x["description"].split()) for x in reqs[-1]["body"]["tools"])
+             + len(reqs[-1]["body"]["system"].split()))
     assert abs(words - (t["tool_tokens"] + t["system_tokens"]) / 4) < 64        # a quarter scale, to a block
     assert block_text(t["id"], 7, 16) == block_text(t["id"], 7, 16) != block_text(t["id"], 8, 16)
     rewritten = [{"hash_ids": [1, 2, 3]}, {"hash_ids": [1, 2, 4, 5]}, {"hash_ids": [1, 9, 10]}]

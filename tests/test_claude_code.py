@@ -13,7 +13,8 @@ import pytest
 from conftest import API_KEY, REPO
 
 CLAUDE = REPO / "tests" / "clients" / "node_modules" / ".bin" / "claude"
-pytestmark = pytest.mark.skipif(not CLAUDE.exists(), reason="Claude Code is not installed (npm ci --prefix tests/clients)")
+pytestmark = pytest.mark.skipif(not CLAUDE.exists(),
+                                reason="Claude Code is not installed (npm ci --prefix tests/clients)")
 
 
 def claude(server, home: Path, work: Path, *args: str) -> dict:

@@ -70,7 +70,8 @@ remote_compaction = "v2"
     first = jsonl(run([*codex, "-s", "read-only", "Say hello."], home, work, env).stdout)
     thread = next(e["thread_id"] for e in first if e["type"] == "thread.started")
     used = next(e["usage"] for e in first if e["type"] == "turn.completed")
-    answer1 = [e["item"]["text"] for e in first if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"]
+    answer1 = [e["item"]["text"] for e in first
+               if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"]
     assert len(answer1) == 1
 
     limit = used["input_tokens"] + 1          # turn 1 used input + output tokens: over the limit
@@ -81,7 +82,8 @@ remote_compaction = "v2"
     assert any(e["type"] == "turn.completed" for e in events)
     assert [e for e in events if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"]
     sse = [json.loads(line.split("SSE event: ", 1)[1]) for line in second.stderr.splitlines() if "SSE event: {" in line]
-    compaction_items = [e["item"] for e in sse if e["type"] == "response.output_item.done" and e["item"]["type"] == "compaction"]
+    compaction_items = [e["item"] for e in sse
+                        if e["type"] == "response.output_item.done" and e["item"]["type"] == "compaction"]
     assert len(compaction_items) == 1, [e["type"] for e in sse]
 
     log = session_log(wide_server, thread)

@@ -72,7 +72,8 @@ def count(server, body: dict, headers: dict | None = None) -> int:
 
 def test_the_captured_request_is_what_claude_code_sends_today():
     headers, body = claude_code()
-    assert body["thinking"] == {"type": "adaptive", "display": "omitted"} and body["output_config"] == {"effort": "high"}
+    assert (body["thinking"] == {"type": "adaptive", "display": "omitted"}
+            and body["output_config"] == {"effort": "high"})
     assert json.loads(body["metadata"]["user_id"])["session_id"] == headers["x-claude-code-session-id"]
     assert body["context_management"] == {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
     assert [m["role"] for m in body["messages"]] == ["user", "system"]              # a system message inside

@@ -68,7 +68,8 @@ def test_clearing_is_idempotent(renderer, msgs, cfg):
 def test_placeholder_names_tool_arguments_and_recall(renderer):
     msgs = [{"role": "user", "content": "check media"},
             {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "diag.py media"}'}}]},
+                {"id": "c1", "type": "function",
+                 "function": {"name": "bash", "arguments": '{"cmd": "diag.py media"}'}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "timeout_ms = 1050\n" * 50},
             {"role": "assistant", "content": None, "tool_calls": [
                 {"id": "c2", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}]},

@@ -30,7 +30,8 @@ def clear_once(engine, renderer, session: str, salt: str):
     prime = r.old_ids[:r.edits[0].start] + [t for e in r.edits for t in e.replacement_ids]
     generate(engine, prime, {"session": session, "prime": True}, salt)
     got, _, report = generate(engine, r.new_ids, {"session": session, "held": [len(first), prompt_hash(first)],
-                                                   "spans": [[e.start, e.end, len(e.replacement_ids)] for e in r.edits]},
+                                                   "spans": [[e.start, e.end, len(e.replacement_ids)]
+                                                             for e in r.edits]},
                               salt)
     want, _, _ = generate(engine, r.new_ids, None, salt + "-ref")
     return report["agentkv"], got, want

@@ -101,7 +101,8 @@ def router_sources() -> list[str]:
     for expr in re.findall(r"^\s*http-request set-var\(txn\.sid\) (\S+)", ROUTER_CFG.read_text(), re.M):
         header = re.fullmatch(r"req\.fhdr\(([\w-]+),1\)", expr)
         body = re.findall(r"json_query\('\$\.([\w.]+)'\)", expr)
-        name = header.group(1) if header else ".".join(body[:1]) if body[0] != "metadata.user_id" else "metadata.user_id"
+        name = (header.group(1) if header
+                else ".".join(body[:1]) if body[0] != "metadata.user_id" else "metadata.user_id")
         if name not in names:
             names.append(name)
     return names
@@ -160,7 +161,8 @@ def test_compose_file_follows_the_compose_spec():
         _serve_args_parse(services[name].get("command", []))
         assert services[name]["environment"]["AGENTKV_SESSION_DB"].startswith("postgresql://")
         # the image keeps its compaction key on this volume: items outlive a recreated container
-        image_env = dict(re.findall(r"(AGENTKV_[A-Z_]+)=(\S+)", (DEPLOY / build["context"] / build["dockerfile"]).read_text()))
+        image_env = dict(re.findall(r"(AGENTKV_[A-Z_]+)=(\S+)",
+                                    (DEPLOY / build["context"] / build["dockerfile"]).read_text()))
         key_dir = image_env["AGENTKV_COMPACTION_KEY_FILE"].rsplit("/", 1)[0]
         assert any(v.split(":")[1] == key_dir for v in services[name]["volumes"]), services[name]["volumes"]
 

@@ -69,7 +69,8 @@ def messages(server, model: str, engine_input: str, stream: bool, tools: bool) -
             r = s.get_final_message()
     else:
         r = c.messages.create(**kw)
-    return ([(b.type, getattr(b, "text", None), getattr(b, "name", None), getattr(b, "input", None)) for b in r.content],
+    return ([(b.type, getattr(b, "text", None), getattr(b, "name", None), getattr(b, "input", None))
+             for b in r.content],
             r.stop_reason, r.usage.output_tokens,   # Anthropic's input_tokens leave out what the cache read
             r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0) + (r.usage.cache_creation_input_tokens or 0))
 
@@ -123,7 +124,8 @@ def test_fields_vllm_renders_with_go_as_tokens_and_echo_as_messages(server):
     same answer as the messages path. ``echo`` makes vLLM render the messages itself: messages."""
     c = server.client()
     msgs = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "The capital"}]
-    for extra in ({"chat_template_kwargs": {"custom": 1}}, {"add_generation_prompt": False, "continue_final_message": True}):
+    for extra in ({"chat_template_kwargs": {"custom": 1}},
+                  {"add_generation_prompt": False, "continue_final_message": True}):
         before = metric(server, "tokens", "")
         got = [c.chat.completions.create(model=TINY, messages=msgs, max_tokens=8, temperature=0,
                                          extra_body={**extra, "engine_input": ei}).choices[0].message.content
@@ -144,7 +146,8 @@ def test_what_vllm_normalizes_the_front_renders_alike(server):
             {"role": "user", "content": "List the files."},
             {"role": "assistant", "content": None, "reasoning_content": "ls will do",
              "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "a.py"}, {"type": "text", "text": "b.py"}]},
+            {"role": "tool", "tool_call_id": "c1",
+             "content": [{"type": "text", "text": "a.py"}, {"type": "text", "text": "b.py"}]},
             {"role": "assistant", "content": "Two files.", "tool_calls": []},
             {"role": "user", "content": "And now?"}]
     out = []
@@ -230,7 +233,8 @@ def test_an_assistant_turn_with_null_content_renders_as_vllm_renders_it(server):
         r = server.http().post("/v1/chat/completions", json={
             "model": TINY, "messages": msgs, "max_tokens": 2, "return_token_ids": True, "engine_input": ei})
         assert r.status_code == 200, r.text
-        assert r.json()["prompt_token_ids"] == want and r.json()["context_management"]["prompt_tokens_after"] == len(want)
+        assert (r.json()["prompt_token_ids"] == want
+                and r.json()["context_management"]["prompt_tokens_after"] == len(want))
     r = server.http().post("/v1/messages", json={"model": TINY, "max_tokens": 2, "messages": [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": "s"}]},

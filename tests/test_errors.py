@@ -40,7 +40,8 @@ def test_an_exception_before_the_answer_is_a_500_in_the_apis_shape(client, route
     assert r.status_code == 500
     body = r.json()
     if route == "messages":
-        assert body["type"] == "error" and body["error"]["type"] == "api_error" and "TypeError" in body["error"]["message"]
+        assert (body["type"] == "error" and body["error"]["type"] == "api_error"
+                and "TypeError" in body["error"]["message"])
     else:
         assert body["error"]["code"] == "internal_error" and "TypeError" in body["error"]["message"]
 

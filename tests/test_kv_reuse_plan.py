@@ -16,7 +16,8 @@ def conversation(n: int = 3) -> list[dict]:
     msgs = [{"role": "system", "content": "agent"}, {"role": "user", "content": "go"}]
     for i in range(n):
         msgs += [{"role": "assistant", "content": None, "tool_calls": [
-                     {"id": f"c{i}", "type": "function", "function": {"name": "bash", "arguments": json.dumps({"i": i})}}]},
+                     {"id": f"c{i}", "type": "function",
+                      "function": {"name": "bash", "arguments": json.dumps({"i": i})}}]},
                  {"role": "tool", "tool_call_id": f"c{i}", "content": f"result {i}\n" + "noise line\n" * 60}]
     return msgs
 

@@ -14,7 +14,8 @@ import pytest
 from conftest import API_KEY, REPO
 
 OPENCODE = REPO / "tests" / "clients" / "node_modules" / "opencode-linux-x64" / "bin" / "opencode"
-pytestmark = pytest.mark.skipif(not OPENCODE.exists(), reason="opencode is not installed (npm ci --prefix tests/clients)")
+pytestmark = pytest.mark.skipif(not OPENCODE.exists(),
+                                reason="opencode is not installed (npm ci --prefix tests/clients)")
 
 
 def opencode(server, home: Path, work: Path, *args: str) -> list[dict]:

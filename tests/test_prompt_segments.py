@@ -130,7 +130,8 @@ LATER_HEADER = (  # the header depends on later messages (tool instructions once
     "{%- if messages | selectattr('tool_calls') | list -%}<|im_start|>system\nTools were called.<|im_end|>\n"
     "{%- endif -%}{%- for m in messages -%}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
-CLOCK = "<|im_start|>system\n{{ strftime_now('%d %b %Y') }}<|im_end|>\n{%- for m in messages -%}{{ m.content }}{%- endfor -%}"
+CLOCK = ("<|im_start|>system\n{{ strftime_now('%d %b %Y') }}<|im_end|>\n"
+         "{%- for m in messages -%}{{ m.content }}{%- endfor -%}")
 PLAIN = (  # no special token between messages: segments are text, their tokens must be joined by tokenizing
     "{%- for m in messages -%}{{ m.role }}: {{ m.content }}\n{%- endfor -%}"
     "{%- if add_generation_prompt -%}assistant:{%- endif -%}")
@@ -157,7 +158,8 @@ def test_templates_that_rerender_earlier_messages_are_rendered_whole(tiny_model_
     assert not r.segmented and re.search(why, r.not_segmented)
     whole = _with_template(tiny_model_dir, template, segments=False)
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": "r"},
-            {"role": "tool", "tool_call_id": "1", "content": "t1"}, {"role": "tool", "tool_call_id": "2", "content": "t2"},
+            {"role": "tool", "tool_call_id": "1", "content": "t1"},
+            {"role": "tool", "tool_call_id": "2", "content": "t2"},
             {"role": "user", "content": "q2"}]
     for n in range(1, len(msgs) + 1):
         assert r.render(msgs[:n]) == whole.render(msgs[:n]) and r.count(msgs[:n]) == whole.count(msgs[:n])

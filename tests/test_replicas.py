@@ -187,7 +187,8 @@ def test_a_compaction_item_and_a_thread_made_on_one_replica_work_on_the_other(cl
              {"type": "function_call", "call_id": "call_0", "name": "bash", "arguments": "{\"cmd\": \"diag\"}"},
              {"type": "function_call_output", "call_id": "call_0", "output": SYSTEM},
              {"role": "user", "content": "Which services look slow?"}]
-    compacted = one.client().responses.compact(model=MODEL, input=items, extra_headers={"x-session-id": f"c-{uuid.uuid4().hex[:8]}"})
+    compacted = one.client().responses.compact(model=MODEL, input=items,
+                                               extra_headers={"x-session-id": f"c-{uuid.uuid4().hex[:8]}"})
     item = compacted.output[-1]
     assert item.type == "compaction"
     nxt = [items[0], *[o.model_dump(exclude_none=True, warnings=False) for o in compacted.output],
@@ -226,7 +227,8 @@ def test_a_thread_and_a_response_chain_without_a_session_id_stay_where_they_bega
     seen, previous = [], None
     for t in range(3):
         before = cluster.router.server_responses()
-        r = client.responses.create(model=MODEL, input=f"{SYSTEM} step {t} of {uuid.uuid4()}" if t == 0 else f"step {t}",
+        r = client.responses.create(model=MODEL,
+                                    input=f"{SYSTEM} step {t} of {uuid.uuid4()}" if t == 0 else f"step {t}",
                                     previous_response_id=previous, max_output_tokens=4, store=True)
         previous = r.id
         seen += cluster.served(before)

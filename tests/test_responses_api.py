@@ -89,7 +89,8 @@ def test_function_call_round_trip(wide_server, stream):
     assert second.usage.input_tokens > first.usage.input_tokens + 5        # the call and its output are in
     log = log_of(wide_server, session)
     assert log[0] == {"role": "user", "content": "Weather in Paris?"}
-    assert log[1]["tool_calls"][0]["id"] == call.call_id and log[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert (log[1]["tool_calls"][0]["id"] == call.call_id
+            and log[1]["tool_calls"][0]["function"]["name"] == "get_weather")
     assert log[2] == {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}
 
 
@@ -192,8 +193,10 @@ def test_compact_endpoint_then_continue(wide_server):
     assert compacted.object == "response.compaction" and compacted.output[-1].type == "compaction"
     assert [o.content[0].text for o in compacted.output[:-1]] == ["Run the diagnostics.", "Which services look slow?"]
     assert compacted.usage.input_tokens > 3000 and compacted.usage.output_tokens > 0
-    nxt = client.responses.create(model=MODEL, input=[items[0], *[o.model_dump(exclude_none=True, warnings=False) for o in compacted.output],
-                                                       {"role": "user", "content": "Go on."}],
+    nxt = client.responses.create(model=MODEL,
+                                  input=[items[0], *[o.model_dump(exclude_none=True, warnings=False)
+                                                     for o in compacted.output],
+                                         {"role": "user", "content": "Go on."}],
                                   max_output_tokens=4, store=False)
     assert nxt.usage.input_tokens < compacted.usage.input_tokens / 2
 
@@ -247,7 +250,8 @@ def test_tools_the_server_cannot_run_are_not_offered(wide_server):
 
 @pytest.mark.parametrize("body, param", [
     ({"input": [{"role": "user", "content": "x"}, {"type": "shell_call", "id": "s"}]}, "input.1.type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input.0.content.0.type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+     "input.0.content.0.type"),
     ({"input": "x", "tool_choice": {"type": "web_search"}}, "tool_choice"),
     ({"input": "x", "context_management": [{"type": "compaction", "compact_threshold": 0}]}, "context_management"),
     ({"input": "x", "background": True}, "background"),

@@ -44,7 +44,8 @@ def as_items(msgs: list[dict]) -> list[dict]:
         elif m["role"] == "tool":
             items.append({"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]})
         else:
-            items.append({"type": "message", "role": m["role"], "content": [{"type": "input_text", "text": m["content"]}]})
+            items.append({"type": "message", "role": m["role"],
+                          "content": [{"type": "input_text", "text": m["content"]}]})
     return items
 
 

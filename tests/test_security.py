@@ -96,7 +96,8 @@ DB_PASSWORD = "pw-S3cr3t-9931"
 LOOSE_UMASK = 0o022  # the usual default: files 0644, folders 0755
 
 
-def _cli(*args: str, env: dict[str, str], umask: int = LOOSE_UMASK, inherit: bool = True) -> subprocess.CompletedProcess:
+def _cli(*args: str, env: dict[str, str], umask: int = LOOSE_UMASK,
+         inherit: bool = True) -> subprocess.CompletedProcess:
     """`agentkv ...` in a subprocess started with ``umask`` (what a caller's shell would have);
     ``env`` adds to this process's environment, or replaces it with ``inherit=False``."""
     old = os.umask(umask)
@@ -357,7 +358,8 @@ def test_every_request_the_engine_receives_carries_a_cache_salt(small_server):
             {"role": "user", "content": f"{marker} hello"}]})
         assert r.status_code == 200, r.text
     http = small_server.http()
-    assert http.post("/v1/completions", json={"model": MODEL, "prompt": f"{marker} x", "max_tokens": 2}).status_code == 200
+    assert http.post("/v1/completions",
+                     json={"model": MODEL, "prompt": f"{marker} x", "max_tokens": 2}).status_code == 200
     r = http.post("/v1/responses/compact", json={"model": MODEL, "input": [
         {"role": "user", "content": f"{marker} summarize this"}, {"role": "assistant", "content": "ok"},
         {"role": "user", "content": "and this"}]})

@@ -137,8 +137,10 @@ def test_two_api_keys_cannot_see_each_others_sessions(server):
     ({"edits": [{"trigger": 5}]}, "context_management.edits.0.type"),
     ({"edits": [{"type": "compact_20260112", "trigger": 1000}]}, "context_management.edits.0.compact_20260112"),
     ({"edits": [{"type": "compact"}, {"type": "clear_thinking_20251015"}]}, "context_management.edits"),
-    ({"edits": [{"type": "clear_tool_uses", "trigger": -5}]}, "context_management.edits.0.clear_tool_uses.trigger.value"),
-    ({"edits": [{"type": "compact", "keep_recent_tokens": -1}]}, "context_management.edits.0.compact.keep_recent_tokens"),
+    ({"edits": [{"type": "clear_tool_uses", "trigger": -5}]},
+     "context_management.edits.0.clear_tool_uses.trigger.value"),
+    ({"edits": [{"type": "compact", "keep_recent_tokens": -1}]},
+     "context_management.edits.0.compact.keep_recent_tokens"),
     ({"edits": [{"type": "clear_tool_uses", "bogus": 1}]}, "context_management.edits.0.clear_tool_uses.bogus"),
     ({"edits": "all"}, "context_management.edits"),
 ])
@@ -268,7 +270,8 @@ def test_a_system_prompt_that_leaves_little_room_is_said_in_a_header(server):
     assert probe.status_code == 200 and "x-context-room" not in probe.headers
     per_pair = probe.json()["usage"]["prompt_tokens"] / 200
     big = "alpha beta " * int(0.85 * window / per_pair)
-    r = chat(server, [{"role": "system", "content": big}, {"role": "user", "content": "hi"}], f"q-{uuid.uuid4().hex[:8]}")
+    r = chat(server, [{"role": "system", "content": big}, {"role": "user", "content": "hi"}],
+             f"q-{uuid.uuid4().hex[:8]}")
     assert r.status_code == 200, r.text
     room = r.headers["x-context-room"]
     assert f"of the {window}-token window" in room and "tokens are left for the conversation" in room

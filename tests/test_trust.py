@@ -141,8 +141,9 @@ def _conversation() -> list[dict]:
 def _ask(server, key: str | None, sid: str, msgs: list[dict], cm: dict, mode: str) -> dict:
     r = server.http(**({"api_key": key} if key else {})).post("/v1/chat/completions", headers={"X-Session-Id": sid},
                                                                json={"model": REAL, "messages": msgs, "max_tokens": 1,
-                                                                     "temperature": 0, "logprobs": True, "top_logprobs": 5,
-                                                                     "context_management": cm, "kv_reuse": mode})
+                                                                     "temperature": 0, "logprobs": True,
+                                                                     "top_logprobs": 5, "context_management": cm,
+                                                                     "kv_reuse": mode})
     assert r.status_code == 200, r.text
     return r.json()
 

@@ -63,7 +63,8 @@ def test_a_prompt_that_cannot_fit_is_refused_at_once(real_server, route):
         assert err["type"] == "invalid_request_error" and err["message"].startswith("prompt is too long: ")
         assert "tokens > 8192 maximum" in err["message"] and "--max-model-len" in err["message"]
     else:
-        assert err["code"] == "context_length_exceeded" and "8192" in err["message"] and "--max-model-len" in err["message"]
+        assert (err["code"] == "context_length_exceeded" and "8192" in err["message"]
+                and "--max-model-len" in err["message"])
         assert err["param"] == ("input" if route == "/v1/responses" else "messages")
     assert real_server.http().get(f"/v1/sessions/{sid}").status_code == 404       # nothing was logged
 

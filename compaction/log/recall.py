@@ -2,7 +2,8 @@
 
 Words, not a phrase: every word must occur in the message or in the call it answered (so
 ``media timeout`` finds ``timeout_ms = 1050`` in the output of ``diag.py media``); each word also
-matches as a prefix (``timeout`` matches ``timeout_ms``). Tool outputs rank first, then BM25 (SQLite) or the most recent (PostgreSQL).
+matches as a prefix (``timeout`` matches ``timeout_ms``). Tool outputs rank first, then BM25
+(SQLite) or the most recent (PostgreSQL).
 Returns the matching lines with their message id.
 """
 

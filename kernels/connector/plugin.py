@@ -119,7 +119,8 @@ class AgentKVConnector(KVConnectorBase_V1):
         reference, so vLLM frees them now as usual) and report an edit's outcome."""
         return False, self.scheduler.finished(request, block_ids)
 
-    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+    def set_xfer_handshake_metadata_pp_aware(self,
+                                             metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
         """Once at start-up, every worker's (every pipeline and tensor-parallel rank's) geometry:
         one that cannot move tokens turns reuse off for all (``geometry``), with a log line."""
         problems = sorted((rank, m.problem) for rank, m in metadata.items()

@@ -48,11 +48,11 @@ class Supervisor:
     """Created once per app. `start()` returns at once; the engine comes up in the background and
     is watched from then on: when it exits, or makes no progress for ``--engine-stall-s``
     (``progress``: then its process group is killed), in-flight requests fail with a clean error,
-    /health turns 503 (``restarting``, the reason in ``error``), and a new engine is launched. Every relaunch, the ones that fail
-    included, counts against ``cfg.engine_restarts`` an hour; a relaunch that fails is tried
-    again after ``RELAUNCH_DELAY_S`` while that budget lasts. Then, and when the very first launch
-    fails (a configuration error, most likely), the state is ``failed``. Nothing ends the watch
-    silently: an unexpected error in it is ``failed`` too, with the error on /health."""
+    /health turns 503 (``restarting``, the reason in ``error``), and a new engine is launched. Every
+    relaunch, the ones that fail included, counts against ``cfg.engine_restarts`` an hour; a relaunch
+    that fails is tried again after ``RELAUNCH_DELAY_S`` while that budget lasts. Then, and when the
+    very first launch fails (a configuration error, most likely), the state is ``failed``. Nothing
+    ends the watch silently: an unexpected error in it is ``failed`` too, with the error on /health."""
 
     def __init__(self, cfg: ServeConfig, engine_factory: Callable[..., EngineProcess] = EngineProcess):
         self.cfg = cfg

@@ -194,7 +194,8 @@ async def _blend(cfg, engine, body: dict, params: Params, prepared, edits, reps:
             log.warning("session %s: blend pass answered %s", prepared.session_id, status)
             continue
         usage = payload.get("usage") or {}
-        computed += usage.get("prompt_tokens", 0) - ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        computed += (usage.get("prompt_tokens", 0)
+                     - ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
         outcome = Outcome.from_wire(payload.get("kv_transfer_params"))
         reused += outcome.reused_tokens if outcome else 0
     return pl.limit, {**out, "block_size": bs, "movable_tokens": pl.movable_tokens,

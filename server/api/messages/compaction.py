@@ -100,7 +100,8 @@ def respond(model: str, prepared: Prepared, block: dict, stream: bool, headers: 
     events = [sse("message_start", {"type": "message_start", "message": start}),
               sse("content_block_start", {"type": "content_block_start", "index": 0, "content_block": block}),
               sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
-              sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": "compaction", "stop_sequence": None},
+              sse("message_delta", {"type": "message_delta",
+                                    "delta": {"stop_reason": "compaction", "stop_sequence": None},
                                     "usage": usage, "context_management": prepared.report}),
               sse("message_stop", {"type": "message_stop"})]
     return StreamingResponse(iter(events), media_type="text/event-stream", headers=headers)

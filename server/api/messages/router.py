@@ -58,7 +58,8 @@ async def messages(req: MessagesRequest, request: Request, engine: EngineDep, ow
     body = require_utf8(req.model_dump(exclude_unset=True))
     if req.thread is not None and req.compaction is not None:
         raise APIError(400, "thread cannot be combined with compaction: compact the conversation, then create a "
-                            "thread from the compaction block", param="compaction", error_code="thread_unsupported_request")
+                            "thread from the compaction block",
+                       param="compaction", error_code="thread_unsupported_request")
     thread = await threads.resume(state.sessions.log, owner, body)     # a continue: the body made whole
     held = threads.claim(state.sessions.log, thread)                   # from here on, released on every path
     try:

@@ -88,7 +88,8 @@ async def resume(log: SessionLog, owner: str, body: dict) -> Thread | None:
         raise _not_found(previous)
     if continued:
         raise _already_continued(previous)
-    differ = [f for f in ("system", "tools") if body.get(f) is not None and _unmarked(body[f]) != _unmarked(stored.get(f))]
+    differ = [f for f in ("system", "tools")
+              if body.get(f) is not None and _unmarked(body[f]) != _unmarked(stored.get(f))]
     if differ:
         raise APIError(400, f"{' and '.join(differ)} differ from the thread's: a continue takes them from the thread "
                             "(leave them out, or replay with thread: {\"type\": \"create\"} to change them)",
