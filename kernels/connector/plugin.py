@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+log: logging.Logger
 try:  # vLLM's logger, so the connector's lines appear in the engine log
     from vllm.logger import init_logger
 
@@ -81,6 +82,18 @@ class AgentKVConnector(KVConnectorBase_V1):
         self._failed_blocks: set[int] = set()
 
     @property
+    def _sched(self) -> ReuseScheduler:
+        """The scheduler side's state (vLLM calls the scheduler-side methods on that role only)."""
+        assert self.scheduler is not None, "a scheduler-side call on a worker-side connector"
+        return self.scheduler
+
+    @property
+    def _mover(self) -> KVMover:
+        """The worker side's state (vLLM calls the worker-side methods on that role only)."""
+        assert self.mover is not None, "a worker-side call on a scheduler-side connector"
+        return self.mover
+
+    @property
     def requires_kv_delivery(self) -> bool:
         """Best effort: a load that does not happen is recomputed, nothing is handed off."""
         return False
@@ -88,36 +101,36 @@ class AgentKVConnector(KVConnectorBase_V1):
     # ---- scheduler side: called by vLLM's scheduler, one thread, in the engine-core process ----
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         """Once, after the KV cache manager exists: the pool whose blocks we hold (touch/unpin)."""
-        self.scheduler.bind(gpu_block_pool)
+        self._sched.bind(gpu_block_pool)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Before admitting ``request`` (maybe several times while it waits): how many tokens after
         its block-aligned local prefix hit this connector supplies. Synchronous loads only. Its
         one side effect: held blocks are given back when the pool cannot fit the request."""
-        return self.scheduler.matched(request, num_computed_tokens), False
+        return self._sched.matched(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
         """After vLLM allocated the request's blocks: the claim stands for ``num_external_tokens``."""
-        self.scheduler.allocated(request, num_external_tokens)
+        self._sched.allocated(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """End of each schedule(): this step's loads (block ids of held sources and destinations)."""
-        return AgentKVMetadata(self.scheduler.build_loads(scheduler_output))
+        return AgentKVMetadata(self._sched.build_loads(scheduler_output))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """After each step: blocks the workers failed to load mark their requests' outcome."""
         if connector_output.invalid_block_ids:
-            self.scheduler.load_errors(connector_output.invalid_block_ids)
+            self._sched.load_errors(connector_output.invalid_block_ids)
 
     def has_pending_block_frees(self) -> bool:
         """vLLM cannot allocate for a running request: True if held blocks were given back just now
         (the scheduler retries next step instead of preempting)."""
-        return self.scheduler.pressure()
+        return self._sched.pressure()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Once per request, before vLLM frees its blocks: hold them for the session (our own
         reference, so vLLM frees them now as usual) and report an edit's outcome."""
-        return False, self.scheduler.finished(request, block_ids)
+        return False, self._sched.finished(request, block_ids)
 
     def set_xfer_handshake_metadata_pp_aware(self,
                                              metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
@@ -147,7 +160,7 @@ class AgentKVConnector(KVConnectorBase_V1):
     # ---- worker side: called by the model runner of each worker, around every forward pass ----
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Once, with this worker's KV tensors (its shard of the heads): kept as views, checked."""
-        self.mover.register(kv_caches)
+        self._mover.register(kv_caches)
 
     def get_handshake_metadata(self) -> AgentKVGeometry | None:
         """After ``register_kv_caches``: the worker's geometry verdict, for the scheduler side."""
@@ -158,7 +171,7 @@ class AgentKVConnector(KVConnectorBase_V1):
         returns. Failed loads are remembered for ``get_block_ids_with_load_errors``."""
         meta = self._get_connector_metadata()
         if isinstance(meta, AgentKVMetadata) and meta.loads:
-            self._failed_blocks |= self.mover.load(meta.loads)
+            self._failed_blocks |= self._mover.load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

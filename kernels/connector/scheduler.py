@@ -8,8 +8,9 @@ finished request as a ``params.Outcome`` and into the counters of ``stats``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -81,6 +82,12 @@ class ReuseScheduler:
             log.info("agentkv connector: holding up to %d of %d KV blocks for sessions' next turns, "
                      "for at most %.0f s each", budget, pool.num_gpu_blocks, self.ttl_s)
 
+    @property
+    def bound(self) -> HeldBlocks:
+        """The held blocks, once `bind` has run (admission returns before planning until then)."""
+        assert self.held is not None, "the connector's scheduler is not bound to vLLM's block pool yet"
+        return self.held
+
     # -- admission -------------------------------------------------------------------------
     def matched(self, request: Request, num_computed: int) -> int:
         """Tokens after ``num_computed`` (vLLM's block-aligned local hit) this connector supplies."""
@@ -116,14 +123,14 @@ class ReuseScheduler:
             return None, "unsupported"
         if self.geometry is not None:
             return None, "geometry"
-        if self.held.budget <= 0:
+        if self.bound.budget <= 0:
             return None, "no_budget"
-        prompt = self.held.get(p.session, PROMPT)
+        prompt = self.bound.get(p.session, PROMPT)
         if prompt is None:
-            return None, self.held.missing_reason(p.session)
+            return None, self.bound.missing_reason(p.session)
         if p.held is None or p.held != prompt.identity:   # before anything is read from it
             return None, "held_mismatch"
-        prime = self.held.get(p.session, PRIME) if any(n for _, _, n in p.spans) else None
+        prime = self.bound.get(p.session, PRIME) if any(n for _, _, n in p.spans) else None
         return self._claim(request, p, [prompt, prime], _spans(p), start, need)
 
     def _prefix(self, request: Request, p: Params, start: int, need: int) -> Claim | None:
@@ -131,7 +138,7 @@ class ReuseScheduler:
         shares with the held prompt from the start, at the same positions (no rotation; the K/V of
         a position depend on the tokens up to it only), which vLLM's cache under the branch's
         approximate salt may not hold yet (its first moved edit)."""
-        prompt = self.held.get(p.session, PROMPT)
+        prompt = self.bound.get(p.session, PROMPT)
         return None if prompt is None else self._claim(request, p, [prompt, None], (), start, need)[0]
 
     def _claim(self, request: Request, p: Params, entries: list[HeldEntry | None], spans: tuple[Span, ...],
@@ -139,7 +146,7 @@ class ReuseScheduler:
         """What ``entries`` (by source index) supply of the request from ``start`` under ``spans``:
         the claim, or why there is none."""
         repin = sum(len(e.blocks) for e in entries if e is not None and not e.pinned)
-        if repin and self.held.pool.get_num_free_blocks() - repin < need:
+        if repin and self.bound.pool.get_num_free_blocks() - repin < need:
             return None, "evicted"                   # memory pressure: its blocks are needed
         ids = request.prompt_token_ids or []
         limit = len(ids) - 1 if p.limit is None else min(p.limit, len(ids) - 1)
@@ -147,7 +154,7 @@ class ReuseScheduler:
         end = cov.end // self.block_size * self.block_size
         if end <= start:
             if cov.stop == "missing":
-                return None, self.held.missing_reason(p.session)
+                return None, self.bound.missing_reason(p.session)
             return None, "prompt_changed" if cov.stop == "mismatch" and cov.end - start < self.block_size \
                 else "too_short"
         runs = clip(cov.runs, end)
@@ -173,7 +180,7 @@ class ReuseScheduler:
         """Loads for the requests scheduled for the first time this step; then give back what
         their sessions held before (the loads' block ids are taken, the worker runs this step's
         loads before any later step can reuse those blocks)."""
-        loads = []
+        loads: list[LoadSpec] = []
         if self.held is None:
             return loads
         for new in out.scheduled_new_reqs:
@@ -217,12 +224,13 @@ class ReuseScheduler:
         prompt = request.prompt_token_ids or []
         if (p is not None and not p.keep and ok and self.held is not None and self.unsupported is None
                 and self.geometry is None and request.num_computed_tokens >= len(prompt)):
-            self.held.hold(p.session, PRIME if p.prime else PROMPT, np.asarray(prompt, dtype=np.int64), block_ids)
+            ids = cast("Sequence[int]", np.asarray(prompt, dtype=np.int64))   # an array reads as a sequence here
+            self.held.hold(p.session, PRIME if p.prime else PROMPT, ids, block_ids)
         outcome = self.outcomes.pop(request.request_id, None)
         if p is not None and p.prime and self.held is not None:   # what the front's blend plans need
             entry = self.held.get(p.session, PROMPT)
-            usable = entry is not None and (p.held is None or p.held == entry.identity)
-            return Primed(self.block_size, len(entry.token_ids) if usable else 0).to_wire()
+            usable = entry if entry is not None and (p.held is None or p.held == entry.identity) else None
+            return Primed(self.block_size, len(usable.token_ids) if usable is not None else 0).to_wire()
         if outcome is None:
             return None
         if outcome.fallback:

@@ -120,20 +120,20 @@ class KVMover:
                 if self.fail_all or self.rope is None or not self.caches:
                     raise RuntimeError("moving is disabled on this worker" if not self.fail_all
                                        else f"{FAULT_ENV}=1")
-                self._move(spec)
+                self._move(spec, self.rope)
             except (RuntimeError, ValueError, IndexError) as exc:
                 log.warning("agentkv connector: load for %s failed (%s); vLLM recomputes it", spec.req_id, exc)
                 failed |= spec.dst_block_ids(self.block_size)
         return failed
 
-    def _move(self, spec: LoadSpec) -> None:
+    def _move(self, spec: LoadSpec, rope: RopeParams) -> None:
         by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for cache in self.caches.values():   # every layer's blocks are the scheduler's (``register``)
             device = cache.key.device
             if device not in by_device:
                 by_device[device] = self._slots(spec, self.block_size, device)
             src, dst, deltas = by_device[device]
-            move_tokens(cache, cache, src, dst, deltas, self.rope)
+            move_tokens(cache, cache, src, dst, deltas, rope)
 
     @staticmethod
     def _slots(spec: LoadSpec, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
