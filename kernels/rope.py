@@ -22,7 +22,7 @@ class UnsupportedShift(ValueError):
 # each model file passes ``is_neox_style`` to ``get_rope`` (default True), and architectures it
 # serves through its transformers backend (glm, gpt_neox, olmo, olmo2, phi, seed_oss, starcoder2,
 # arcee) rotate with transformers' code (``rotate_half`` halves; ``x[..., ::2]`` pairs in glm, glm4,
-# cohere, ernie4_5). tests/test_kernels_rope.py checks every entry against transformers' own model.
+# cohere, ernie4_5). tests/kernels/test_rope.py checks every entry against transformers' own model.
 # gptj/codegen and chatglm are handled apart (no rope parameters in their configs). Not listed, so
 # refused: no RoPE (gpt2, bloom, opt, mpt), NoPE layers (llama4, smollm3, cohere2), multimodal
 # positions (qwen2_vl, ...). transformers 5.19's one pairing flag, ``rope_interleave``, exists only

@@ -21,7 +21,7 @@ from agentkv.server.cli import build_parser
 from agentkv.server.config import ServeConfig
 from agentkv.server.pipeline.sessions import SOURCES
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 REPO = DEPLOY.parent
 MANIFESTS = sorted((DEPLOY / "k8s").glob("*.yaml"))
 DOCKERFILES = [DEPLOY / "Dockerfile", DEPLOY / "Dockerfile.cpu"]

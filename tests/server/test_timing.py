@@ -1,4 +1,4 @@
-"""The Server-Timing header's spans (the live header is checked in test_server_openai)."""
+"""The Server-Timing header's spans (the live header is checked in test_chat_openai)."""
 
 from __future__ import annotations
 

@@ -4,12 +4,18 @@ the server killed with writers in flight (the log recovers). The checks are test
 
 from __future__ import annotations
 
+import importlib.util
 import uuid
+from pathlib import Path
 
 import pytest
-import test_faults as faults
 
 from conftest import start_server
+
+# test_faults.py beside this file, loaded as a module of its own (its checks are called below)
+_spec = importlib.util.spec_from_file_location("faults_checks", Path(__file__).with_name("test_faults.py"))
+faults = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(faults)
 
 SHIFT = ("--model", faults.MODEL, "--kv-reuse", "shift")
 

@@ -1,6 +1,6 @@
 """The stall watchdog's rule (server/engine/progress.py), observation by observation: work in flight
 must move the engine's token counters or, on CPU, its workers' CPU time; no process may stay
-stopped; either for ``stall_s`` is stuck. (tests/test_faults.py stops a real engine.)"""
+stopped; either for ``stall_s`` is stuck. (tests/server/engine/test_faults.py stops a real engine.)"""
 
 from __future__ import annotations
 

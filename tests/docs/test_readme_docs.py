@@ -12,7 +12,7 @@ from pathlib import Path
 from agentkv.server.cli import flag_name
 from agentkv.server.config import ServeConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 PAGES = [README, REPO / "benchmarks" / "README.md", *sorted(DOCS.glob("*.md"))]

@@ -21,7 +21,7 @@ import pytest
 
 from agentkv.server.render.engine_chat import NotRendered, counting_renderer, for_model
 
-CORPUS = Path(__file__).parent / "data" / "chat_templates"
+CORPUS = Path(__file__).resolve().parents[2] / "data" / "chat_templates"
 TEMPLATES = sorted(p.name for p in CORPUS.glob("*.jinja"))
 TOKENS = json.loads((CORPUS / "tokens.json").read_text())
 SPECIAL = sorted({t for v in TOKENS.values() for t in v["special"] + [v.get("bos_token"), v.get("eos_token")] if t})

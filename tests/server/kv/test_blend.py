@@ -1,5 +1,5 @@
 """Blend's planning (no engine): the splice of the new prompt, how each strategy ranks the moved
-blocks, and the passes a plan needs. The engine side is in test_kv_reuse_engine.py."""
+blocks, and the passes a plan needs. The engine side is in test_reuse_engine.py."""
 
 from dataclasses import dataclass
 

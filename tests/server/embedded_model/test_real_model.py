@@ -44,7 +44,7 @@ def test_capital_of_france_through_the_anthropic_client(real_server):
 def test_readmes_first_example_prints_what_it_says(real_server):
     """README's first Python example, run as written against the default server (only its base URL
     pointed at this one): it prints the answer its comment shows."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     code = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "chat.completions.create" in b)
     shown = re.search(r"print\(.*\)\s+# (.+)", code).group(1).strip()
     code = code.replace("http://127.0.0.1:8000/v1", f"{real_server.base_url}/v1")

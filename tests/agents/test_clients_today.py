@@ -20,7 +20,7 @@ import zstandard
 
 from conftest import REAL
 
-CAPTURED = Path(__file__).parent / "clients" / "captured"
+CAPTURED = Path(__file__).resolve().parents[1] / "clients" / "captured"
 CLIENTS = sorted(p.stem for p in CAPTURED.glob("*.json"))
 
 

@@ -17,7 +17,7 @@ from agentkv.benchmarks.gpu_check import CASES, GOAL
 from agentkv.benchmarks.harness import machine
 from agentkv.server.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BLOCKED = ("vllm", "transformers", "pydantic", "fastapi")
 
 

@@ -1,6 +1,6 @@
 """The connector's geometry in a real vLLM engine, in this process, at each block size vLLM's CPU
 backend takes. Its own module: vLLM keeps one KV connector per process for the workers, so an engine
-made while another one lives (``test_connector_inprocess``'s) would get that one's worker side (the
+made while another one lives (``test_inprocess``'s) would get that one's worker side (the
 geometry check then refuses it: the scheduler's blocks are not the worker's)."""
 
 from __future__ import annotations
