@@ -16,7 +16,7 @@ from .fields import amount
 
 COMPACT_MIN_TRIGGER = 50_000  # Anthropic's minimum for compact_20260112
 
-log = logging.getLogger("agentkv.context")
+log = logging.getLogger(__name__)
 
 
 class Compact(EditKind):

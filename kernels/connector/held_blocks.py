@@ -32,7 +32,7 @@ PROMPT, PRIME = "prompt", "prime"
 MAX_ENTRIES = 16384           # entries kept (held or released-but-readable)
 MAX_FORGOTTEN = 4096          # sessions whose evicted entries we still remember (for the reason)
 
-log = logging.getLogger("vllm.agentkv_connector")
+log = logging.getLogger("vllm.agentkv_connector")   # in the engine process, under vLLM's log handlers
 
 
 @dataclass(eq=False)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("vllm.agentkv_connector")
+log = logging.getLogger("vllm.agentkv_connector")   # in the engine process, under vLLM's log handlers
 
 
 def params_of(kv_transfer_params: dict | None) -> Params | None:

@@ -20,7 +20,7 @@ from agentkv.kernels.evict import move_tokens
 from agentkv.kernels.layout import PagedKV, slots_of
 from agentkv.kernels.rope import RopeParams, UnsupportedShift
 
-log = logging.getLogger("vllm.agentkv_connector")
+log = logging.getLogger("vllm.agentkv_connector")   # in the engine process, under vLLM's log handlers
 FAULT_ENV = "AGENTKV_FAULT_KV_LOAD"   # tests: "1" makes every load fail (vLLM then recomputes)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from .blend import Splice
 
-log = logging.getLogger("agentkv.kv.probe")
+log = logging.getLogger(__name__)
 LAYER = 1
 _lock = threading.Lock()   # one probe at a time: it uses every core the front has
 

@@ -47,7 +47,7 @@ _KEY = secrets.token_bytes(32)   # session tokens are unguessable by clients
 _PROBE = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentkv-probe")
 PROBE_MAX_TOKENS = 32_768
 
-log = logging.getLogger("agentkv.kv_reuse")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

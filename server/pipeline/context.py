@@ -33,7 +33,7 @@ from agentkv.server import timing
 from .sessions import SessionRef, Sessions, ViewState
 from .summaries import Summaries, SummaryNeeded
 
-log = logging.getLogger("agentkv.context")
+log = logging.getLogger(__name__)
 EngineForm = Callable[[Message], Message]
 
 
