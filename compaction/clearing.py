@@ -73,13 +73,15 @@ def clear_tool_uses(messages: list[Message], renderer: PromptRenderer, cfg: Clea
 
     def clear(use: ToolUse) -> None:
         nonlocal cleared
-        result = new[use.result_index]
+        at = use.result_index
+        assert at is not None   # clear() is given answered uses only (``answered`` and its ``protected`` tail)
+        result = new[at]
         if not is_cleared(result):
             tokens = renderer.count_text(_text(result.get("content")))
             text = placeholder(use, tokens, cfg)
             if renderer.count_text(text) < tokens:
-                new[use.result_index] = {**result, "content": text}
-                kinds[use.result_index] = "clear_tool_result"
+                new[at] = {**result, "content": text}
+                kinds[at] = "clear_tool_result"
                 cleared += 1
         if cfg.clears_input(use.name) and use.arguments not in ("", "{}"):
             call_msg = copy.deepcopy(new[use.call_index])

@@ -289,7 +289,7 @@ class PromptRenderer:
                 first_unclean = i
         layout = Layout(tk, keys, segments, chars, ends, first_unclean)
         base_ids = base.ids if base is not None else None
-        if base_ids is not None:
+        if base is not None and base_ids is not None:
             self._cache.keep_ids(layout, base_ids[:base.ends[common - 1] if common else 0] +
                                  [x for s in new for x in s.ids])
         self._cache.put_layout(layout, base if base is not None and common == len(base.keys) else None)
@@ -304,7 +304,7 @@ class PromptRenderer:
         if p is not None:
             return list(p[0].chars)
         h = message_key(tools or [])
-        out = []
+        out: list[int] = []
         for i, k in enumerate(self.known.keys(messages)):
             h = hashlib.sha256((h + k).encode()).hexdigest()
             with self._lock:
@@ -340,6 +340,7 @@ class PromptRenderer:
     def _tokenize(self, slot: tuple, text: str, bounds: list[int]) -> RenderedPrompt:
         """``text`` tokenized (incrementally in ``slot``), each message's range from its character
         bound (a bound that does not fall in order with the others joins its message to the next)."""
+        starts: array | list[int]   # each token's first character
         if self._tokens is not None:
             done = self._tokens.tokenized(slot, text, self._encode_offsets)
             ids, starts = done.ids.tolist(), done.starts

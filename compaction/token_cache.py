@@ -156,13 +156,16 @@ class TokenCache:
         if prev is not None and prev.text == text:
             return prev
         j = self._cut(prev, text) if prev is not None else -1
-        start, first = (prev.cut_chars[j], prev.cut_tokens[j]) if j >= 0 else (0, 0)
+        base = prev if j >= 0 else None   # the previous prompt, where one of its cuts is reused
+        start, first = (base.cut_chars[j], base.cut_tokens[j]) if base is not None else (0, 0)
         ids, offsets = encode(text[start:] if start else text)
-        out = prev.ids[:first] if j >= 0 else array("i")
+        out = base.ids[:first] if base is not None else array("i")
         out.extend(ids)
-        starts = prev.starts[:first] if j >= 0 else array("i")
+        starts = base.starts[:first] if base is not None else array("i")
         starts.extend(start + a for a, _ in offsets)
-        chars, ends, tokens = (prev.cut_chars[:j], prev.cut_ends[:j], prev.cut_tokens[:j]) if j >= 0 else ([], [], [])
+        chars: list[int] = base.cut_chars[:j] if base is not None else []
+        ends: list[int] = base.cut_ends[:j] if base is not None else []
+        tokens: list[int] = base.cut_tokens[:j] if base is not None else []
         cutting = self.splits.cutting
         for k, (tid, (a, b)) in enumerate(zip(ids, offsets)):
             content = cutting.get(tid)

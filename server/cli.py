@@ -36,6 +36,7 @@ def add_config_flags(parser: argparse.ArgumentParser, model: type[ServeConfig]) 
     for name, field in model.model_fields.items():
         kind, extra = _flag_type(field.annotation)
         shown = field.default not in (None, ())
+        assert field.description is not None   # every ServeConfig field has one (its --help text)
         help_text = field.description + (f" (default: {field.default})" if shown else "")
         flag = flag_name(name)
         if name == "engine_args":

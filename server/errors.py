@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
+from typing import Any
 
 import jinja2
 import psycopg
@@ -100,7 +101,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        first: dict[str, Any] = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         loc = tuple(first.get("loc", ()))
         if first.get("type") in ("union_tag_invalid", "union_tag_not_found"):  # name the tag field
             loc += (str((first.get("ctx") or {}).get("discriminator", "type")).strip("'"),)

@@ -71,7 +71,9 @@ class PostgresLog(SessionLog):
 
     def _connect(self) -> psycopg.Connection:
         conn = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
-        enc = conn.execute("SHOW server_encoding").fetchone()[0]
+        row = conn.execute("SHOW server_encoding").fetchone()
+        assert row is not None   # SHOW always returns one row
+        enc = row[0]
         if enc.upper() not in ("UTF8", "UTF-8"):
             conn.close()
             raise ValueError(f"the session log database must use UTF8 encoding, not {enc}")

@@ -122,7 +122,8 @@ class SessionLog(ABC):
 
     def history(self, session: str, offset: int = 0, limit: int | None = None) -> list[Message]:
         """Every message of the session (or ``limit`` of them from ``offset``), in order, as received."""
-        sql, params = "SELECT message FROM messages WHERE session=? ORDER BY seq", (session,)
+        sql = "SELECT message FROM messages WHERE session=? ORDER BY seq"
+        params: tuple[str | int, ...] = (session,)
         if limit is not None or offset:
             sql, params = sql + " LIMIT ? OFFSET ?", (session, 2**63 - 1 if limit is None else limit, offset)
         rows = self._execute(sql, params)

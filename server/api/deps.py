@@ -73,14 +73,14 @@ async def warm_context(state: AppState) -> None:
     gc.freeze()
 
 
-def _engine_chat(state: AppState) -> EngineChat | None:
+def _engine_chat(state: AppState, model_path: str) -> EngineChat | None:
     """vLLM's chat render for the engine the supervisor starts (None, said once, where it cannot be
     built: every prompt then goes to vLLM as messages and the front counts with transformers)."""
     from agentkv.server.engine.process import engine_args, resolve_device
 
-    sup, cfg = state.supervisor, state.cfg
+    cfg = state.cfg
     try:
-        return EngineChat(engine_args(cfg, sup.model_path, resolve_device(cfg.device), "front.sock"), cfg.model_name)
+        return EngineChat(engine_args(cfg, model_path, resolve_device(cfg.device), "front.sock"), cfg.model_name)
     except Exception:  # noqa: BLE001 - an engine configuration vLLM's render cannot be built for here
         log.warning("the front could not build vLLM's renderer for this engine", exc_info=True)
         return None
@@ -96,9 +96,11 @@ def _make_context(state: AppState) -> ContextManager:
                 from agentkv.server.render.engine_chat import counting_renderer
 
                 sup, cfg = state.supervisor, state.cfg
-                chat = _engine_chat(state)
+                model_path = sup.model_path   # known: warm_context waits for model_known, get_context for the engine
+                assert model_path is not None
+                chat = _engine_chat(state, model_path)
                 renderer = counting_renderer(chat) if chat is not None and chat.hf else \
-                    PromptRenderer.from_pretrained(sup.model_path)
+                    PromptRenderer.from_pretrained(model_path)
                 state.engine_input = EngineInput(cfg.engine_input, chat)
                 state.context = ContextManager(state.sessions, renderer, EngineModelClient(sup, cfg.model_name),
                                                shared_caches=not cfg.api_key)

@@ -52,6 +52,8 @@ def _write(spec: TinyModelSpec, out: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = train_tokenizer(spec.vocab_size, spec.seed)
+    pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert isinstance(pad_token_id, int)   # one token's string converts to one id
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
@@ -61,12 +63,12 @@ def _write(spec: TinyModelSpec, out: Path) -> None:
         num_key_value_heads=spec.kv_heads,
         head_dim=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings,
-        rope_theta=spec.rope_theta,
+        rope_parameters={"rope_theta": spec.rope_theta, "rope_type": "default"},   # what rope_theta= becomes
         initializer_range=spec.initializer_range,
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        pad_token_id=pad_token_id,
         dtype="float32",
     )
     torch.manual_seed(spec.seed)

@@ -74,7 +74,7 @@ def _write(gguf: Path, out: Path) -> None:
         raise ModelBuildError(f"cannot read GGUF file {gguf}: {exc.__class__.__name__}: {exc}") from None
     # dequantized in memory: save plain float32 weights, not a GGUF-quantized checkpoint
     del model.config.quantization_config
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # torch's Module.__setattr__ stub: Tensor | Module only
     for key, value in SAMPLING.items():
         setattr(model.generation_config, key, value)
     model.save_pretrained(out, safe_serialization=True)

@@ -36,7 +36,7 @@ def train_tokenizer(vocab_size: int, seed: int) -> PreTrainedTokenizerFast:
     )
     # Markup tokens stay in the vocab but are not special: decoding keeps them in the text.
     for token in MARKUP_TOKENS:
-        fast._tokenizer.add_tokens([token])
+        fast.backend_tokenizer.add_tokens([token])   # the public name of ``_tokenizer``
     fast.chat_template = chat_template()
     fast.model_max_length = 1 << 30
     return fast

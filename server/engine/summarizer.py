@@ -39,9 +39,11 @@ class EngineModelClient:
                 if self._client is not None:
                     self._client.client.close()  # the previous launch's connections
                 http = httpx.Client(transport=httpx.HTTPTransport(uds=engine.socket_path), timeout=600)
-                self._client = OpenAIModelClient(OpenAI(base_url=f"{ENGINE_URL}/v1", api_key=engine.secret,
-                                                        max_retries=0, http_client=http), self.model)
+                api = OpenAI(base_url=f"{ENGINE_URL}/v1", api_key=engine.secret, max_retries=0,
+                             http_client=http)  # type: ignore[arg-type]  # typed httpx2.Client; takes httpx's too
+                self._client = OpenAIModelClient(api, self.model)
                 self._engine = engine
+            assert self._client is not None   # made with self._engine, which is engine
             return self._client
 
     def complete(self, messages: list[Message], max_tokens: int, cache_salt: str | None = None) -> str:

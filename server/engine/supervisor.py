@@ -88,6 +88,7 @@ class Supervisor:
             failure = await self._launch()
             if failure is None:
                 served = True
+                assert self.engine is not None   # _launch returns None once self.engine serves
                 stuck = await self._watch(self.engine)
                 if stuck:
                     self._kill_stuck(stuck)

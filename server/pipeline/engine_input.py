@@ -71,6 +71,7 @@ class EngineInput:
         """How each engine request of a turn is made from its chat body: the ids added (tokens
         path), or the body as it is. ``asked``: the request's own ``engine_input``; ``slot``: the
         conversation branch (owner-scoped) whose previous prompt the tokenization reuses."""
+        reason: str | None
         if self.mode == "messages":
             reason = "server"
         elif asked == "messages":
@@ -94,6 +95,7 @@ class InputPath:
     async def request(self, body: dict) -> dict:
         reason = self.reason
         if reason is None:
+            assert self.chat is not None   # without the front's render, for_turn gave a reason ("renderer")
             try:
                 ids = await self.chat.prompt_ids(body, self.slot)
             except NotRendered as exc:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 from agentkv.compaction.log.recall import format_hits, recall
 from agentkv.compaction.log.session_log import SessionLog
 from agentkv.server.errors import APIError
 
 NOTE_KINDS = ("decision", "rejected", "progress", "note")
-DEFINITIONS = [
+DEFINITIONS: list[dict[str, Any]] = [
     {"type": "function", "function": {
         "name": "recall",
         "description": "Search the full log of this session, including tool outputs that were cleared "

@@ -77,12 +77,13 @@ def _incremental_renderer_class():
         def _tokenize_prompt(self, prompt, params):
             slot = SLOT.get()
             kwargs = params.get_encode_kwargs()
-            if (slot is None or self.tokens is None or self._wants_offsets(prompt, params)
+            tokenizer = self.tokenizer   # not None where self.tokens is set (a fast tokenizer)
+            if (slot is None or self.tokens is None or tokenizer is None or self._wants_offsets(prompt, params)
                     or params.truncate_prompt_tokens is not None or kwargs.get("add_special_tokens")):
                 return super()._tokenize_prompt(prompt, params)
 
             def encode(text: str):
-                enc = self.tokenizer(text, **kwargs, return_offsets_mapping=True)
+                enc = tokenizer(text, **kwargs, return_offsets_mapping=True)
                 return enc["input_ids"], enc["offset_mapping"]
             return self._build_tokens_prompt(self.tokens.tokenize(slot, prompt["prompt"], encode), prompt)
 
@@ -178,7 +179,7 @@ class EngineChat:
             raise ConversationRefused(f"the model's chat template cannot render this conversation: {exc}") from None
         except ValidationError as exc:   # vLLM validates content parts as it reads them
             raise ConversationRefused(f"the engine's request model refuses it: {exc.errors()[0].get('msg')}") from None
-        return prompt["prompt"]
+        return prompt["prompt"]  # type: ignore[typeddict-item]  # vLLM says DictPrompt; tokenize=False: a TextPrompt
 
     async def prompt_ids(self, body: dict[str, Any], slot: Hashable) -> list[int]:
         """The ids vLLM's chat route gives ``body`` (a chat completion request), tokenized
@@ -201,9 +202,10 @@ class EngineChat:
         if isinstance(result, ErrorResponse):
             raise NotRendered("refused", result.error.message)
         _, inputs = result
-        if len(inputs) != 1 or inputs[0].get("type") != "token":
+        first = inputs[0] if len(inputs) == 1 else None
+        if first is None or "type" not in first or first["type"] != "token":
             raise NotRendered("non_text_content")
-        return inputs[0]["prompt_token_ids"]
+        return first["prompt_token_ids"]
 
 
 def counting_renderer(chat: EngineChat):

@@ -51,6 +51,7 @@ FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "tool_addition": {"tool": ((dict,), True)},
     "tool_removal": {"tool": ((dict,), True)},
 }
+TYPE_NAMES: dict[type, str] = {str: "a string", dict: "an object", list: "a list"}   # FIELDS' types, in errors
 # request fields this module maps (or knowingly ignores), never passed on to vLLM; any other field
 # passes through (vLLM's own sampling extensions: seed, repetition_penalty, structured_outputs, ...)
 MAPPED = {"model", "messages", "system", "max_tokens", "stream", "tools", "tool_choice", "stop_sequences",
@@ -108,8 +109,7 @@ class _Checker:
             if value is None and not required:
                 continue
             if not isinstance(value, types):
-                names = " or ".join("null" if t is type(None) else {str: "a string", dict: "an object",
-                                                                     list: "a list"}[t] for t in types)
+                names = " or ".join("null" if t is type(None) else TYPE_NAMES[t] for t in types)
                 raise APIError(400, f"{where}.{key}: a {kind} block's '{key}' must be {names}", param=f"{where}.{key}")
         if kind == "search_result":
             for k, item in enumerate(b["content"]):
@@ -282,6 +282,12 @@ def engine_message(m: Message) -> Message:
     return out
 
 
+def _tool(block: dict) -> dict:
+    """A ``tool_addition`` / ``tool_removal`` block's ``tool`` (``{}``: not an object)."""
+    tool = block.get("tool")
+    return tool if isinstance(tool, dict) else {}
+
+
 def _named(ref: dict) -> str | None:
     name = ref.get("name") if ref.get("type") == "tool_reference" else None
     return name if isinstance(name, str) else None
@@ -296,7 +302,8 @@ def offered_tools(tools: list[dict] | None, messages: list[dict]) -> list[dict] 
     declared = {t["name"]: t for t in tools or [] if isinstance(t, dict) and t.get("name")}
     offered = {name: t for name, t in declared.items() if not t.get("defer_loading")}
     for m in messages:
-        for b in m.get("content") if isinstance(m.get("content"), list) else []:
+        content = m.get("content")
+        for b in content if isinstance(content, list) else []:
             if not isinstance(b, dict):
                 continue
             kind = b.get("type")
@@ -306,14 +313,14 @@ def offered_tools(tools: list[dict] | None, messages: list[dict]) -> list[dict] 
                     if isinstance(name, str) and name in declared:
                         offered[name] = declared[name]
             elif kind == "tool_addition":
-                tool = b.get("tool") if isinstance(b.get("tool"), dict) else {}
+                tool = _tool(b)
                 definition = tool.get("definition") if tool.get("type") == "tool_definition" else None
                 if isinstance(definition, dict) and isinstance(definition.get("name"), str):
                     declared[definition["name"]] = offered[definition["name"]] = definition
                 elif _named(tool) in declared:
                     offered[_named(tool)] = declared[_named(tool)]
             elif kind == "tool_removal":
-                offered.pop(_named(b.get("tool") if isinstance(b.get("tool"), dict) else {}), None)
+                offered.pop(_named(_tool(b)), None)
     return [{k: v for k, v in t.items() if k != "defer_loading"} for t in offered.values()] or None
 
 

@@ -93,7 +93,8 @@ def sse(event: str, data: dict) -> bytes:
 
 def error_event(error: dict) -> bytes:
     """``event: error`` for an OpenAI error body (the engine's, or agentkv's engine_unavailable)."""
-    err = error.get("error") if isinstance(error.get("error"), dict) else error
+    inner = error.get("error")
+    err = inner if isinstance(inner, dict) else error
     code = err.get("code")
     status = code if isinstance(code, int) else 503 if code == "engine_unavailable" else 500
     return sse("error", anthropic_error_body(status, str(err.get("message") or "the engine's stream failed")))

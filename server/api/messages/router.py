@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from agentkv.compaction.edit_kinds.compact import Compact
 from agentkv.server.api.deps import ContextDep, EngineDep, OwnerDep
 from agentkv.server.api.ids import take_route
 from agentkv.server.edge import EdgeRoute
@@ -79,7 +80,8 @@ async def messages(req: MessagesRequest, request: Request, engine: EngineDep, ow
             held.session_key = turn.prepared.key
         done = held.done if held else None
         compaction = encode.compaction_of(turn.prepared)
-        if compaction and turn.prepared.compact_edit.pause_after_compaction:
+        edit = turn.prepared.compact_edit   # a Compact where it wrote a compaction block
+        if compaction and isinstance(edit, Compact) and edit.pause_after_compaction:
             return await encode.paused(turn, model, compaction, req.stream, done)
         return await (encode.stream if req.stream else encode.complete)(turn, model, compaction, done)
     except BaseException:

@@ -124,8 +124,9 @@ class Claim:
         self._open = True
 
     def release(self) -> None:
-        if self._open and self.thread.parent is not None:
-            _release(self.log, self.thread.parent, self.thread.holder)
+        t = self.thread   # a continue's thread has both its parent and its claim's holder
+        if self._open and t.parent is not None and t.holder is not None:
+            _release(self.log, t.parent, t.holder)
         self._open = False
 
     async def done(self, message_id: str, content: list[dict] | None, stop_reason: str | None) -> None:

@@ -175,12 +175,13 @@ def _function(tool: dict, name: str, where: str) -> dict:
 
 
 def to_chat_tools(tools: list[dict] | None) -> ChatTools:
-    out = ChatTools([], {}, [])
+    offered: list[dict] = []   # out.tools, until the end
+    out = ChatTools(offered, {}, [])
     for i, tool in enumerate(tools or []):
         where = f"tools.{i}"
         kind = tool.get("type")
         if kind == "function":
-            out.tools.append(_function(tool, _string(tool, "name", where), where))
+            offered.append(_function(tool, _string(tool, "name", where), where))
         elif kind == "namespace":
             space = _string(tool, "name", where)
             for j, inner in enumerate(tool.get("tools") or []):
@@ -189,10 +190,10 @@ def to_chat_tools(tools: list[dict] | None) -> ChatTools:
                     continue
                 name = _string(inner, "name", f"{where}.tools.{j}")
                 out.namespaces[f"{space}.{name}"] = (space, name)
-                out.tools.append(_function(inner, f"{space}.{name}", f"{where}.tools.{j}"))
+                offered.append(_function(inner, f"{space}.{name}", f"{where}.tools.{j}"))
         else:
             out.not_offered.append(str(kind))
-    out.tools = out.tools or None
+    out.tools = offered or None
     return out
 
 

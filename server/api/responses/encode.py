@@ -118,18 +118,19 @@ class OutputBuilder:
         out: list[tuple[str, EventFields]] = []
         thought = delta.get("reasoning") or delta.get("reasoning_content")
         if thought:
-            if self._open is None or self._open["type"] != "reasoning":
-                out += self._start({"id": new_id("rs"), "type": "reasoning", "status": "in_progress",
-                                    "summary": [], "encrypted_content": None})
             item = self._open
+            if item is None or item["type"] != "reasoning":
+                item = {"id": new_id("rs"), "type": "reasoning", "status": "in_progress", "summary": [],
+                        "encrypted_content": None}
+                out += self._start(item)   # item is now the open one
             item["content"][0]["text"] += thought
             out.append(("response.reasoning_text.delta", {"item_id": item["id"], "output_index": self._index(item),
                                                           "content_index": 0, "delta": thought}))
         if delta.get("content"):
-            if self._open is None or self._open["type"] != "message":
-                out += self._start({"id": new_id("msg"), "type": "message", "status": "in_progress",
-                                    "role": "assistant"})
             item = self._open
+            if item is None or item["type"] != "message":
+                item = {"id": new_id("msg"), "type": "message", "status": "in_progress", "role": "assistant"}
+                out += self._start(item)   # item is now the open one
             item["content"][0]["text"] += delta["content"]
             out.append(("response.output_text.delta", {"item_id": item["id"], "output_index": self._index(item),
                                                        "content_index": 0, "delta": delta["content"], "logprobs": []}))
@@ -285,11 +286,11 @@ async def stream(turn: Turn, answer: Answer) -> Response:
 
     async def gen() -> AsyncIterator[bytes]:
         events = EventStream()
-        for chunk in _opening(events, response):
-            yield chunk
+        for data in _opening(events, response):
+            yield data
         for i, item in enumerate(answer.head):
-            for chunk in _whole_item(events, i, item):
-                yield chunk
+            for data in _whole_item(events, i, item):
+                yield data
         finish, error = None, None
         async for chunk in es.chunks():
             if chunk.get("error") and not chunk.get("choices"):   # the engine reported an error in-stream
