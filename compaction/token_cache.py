@@ -23,8 +23,8 @@ cut and tokenizes the rest alone. The result is the whole text's tokenization, b
   pre-tokenizer's ``prepend_scheme: first`` applies to offset 0 only, which the added token holds).
 
 Comparison is by exact text (``str`` equality is code-point exact): nothing here is found by
-Python equality of parsed JSON (``10 == 10.0``). ``tests/test_render_differential.py`` checks the
-result against vLLM's own tokenization over real chat templates and two tokenizer families. The
+Python equality of parsed JSON (``10 == 10.0``). ``tests/server/render/test_render_differential.py``
+checks the result against vLLM's own tokenization over real chat templates and two tokenizer families. The
 front's ids to vLLM (``server.render.engine_chat``) and the context step's counts of whole
 conversations (``prompt.PromptRenderer``) both tokenize through it.
 """
