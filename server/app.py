@@ -45,7 +45,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     if is_postgres_url(cfg.session_db_path) and not cfg.compaction_key_file:
         log.warning("the session log is on PostgreSQL, which replicas share, but --compaction-key-file is not set: "
                     "this replica signs compaction items with a key of its own (in $AGENTKV_HOME), and the other "
-                    "replicas will refuse them; give every replica the same key file (README, \"Deployment\")")
+                    "replicas will refuse them; give every replica the same key file (docs/deploy.md)")
     install_error_handlers(app)
     app.add_middleware(Edge, max_bytes=int(cfg.max_request_mb * 2**20), keys=cfg.api_key)
     app.add_middleware(LastResort)

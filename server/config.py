@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from agentkv.compaction.log.open import is_postgres_url
 
 from .embedded_model.names import DEFAULT_MODEL
-from .kv_modes import kv_mode
+from .kv_modes import describe, kv_mode
 from .options import BlendStrategy, EngineInputMode, KVMode
 
 
@@ -71,7 +71,7 @@ class ServeConfig(BaseModel):
     engine_stall_s: float | None = Field(
         None, gt=0, description="seconds the engine may go without progress (work in flight, or any of its "
                                 "processes stopped) before it is killed and relaunched; default: 120 on CPU and GPU "
-                                "(README, \"Reliability\")")
+                                "(docs/reliability.md)")
     engine_args: tuple[str, ...] = Field((), description="extra arguments passed verbatim to vLLM")
     engine_input: EngineInputMode = Field(
         "tokens", description="how prompts reach vLLM: the front's token ids (tokens: vLLM skips rendering and "
@@ -85,8 +85,8 @@ class ServeConfig(BaseModel):
     server_tools: bool = Field(False, description="offer the server-executed recall and note tools to every request")
     max_server_tool_rounds: int = Field(4, ge=1, le=16, description="bound on server tool calls per request")
     kv_reuse: KVMode = Field(
-        "recompute", description="after clearing: recompute (exact), shift cached K/V with the kernel, or "
-                                 "blend (shift, recompute a tail); shift/blend load agentkv's vLLM KV connector")
+        "recompute", description=f"after clearing: {describe()}; every mode but recompute loads agentkv's vLLM "
+                                 "KV connector")
     blend_strategy: BlendStrategy = Field(
         "tail", description="blend: which moved blocks are recomputed: the last (tail), the first after each cut "
                             "(cuts, EPIC-like) or those whose early-layer K/V moved most (deviation, CacheBlend-like)")
@@ -150,7 +150,7 @@ class ServeConfig(BaseModel):
     def cpu_env(self) -> dict[str, str]:
         """vLLM's CPU settings, the same for every KV mode: vLLM reserves one core for its scheduler
         and one more once a KV connector is configured, which on a 2-core machine left the default
-        server one compute core and bound a connector server's threads to both (README, "CPU engine")."""
+        server one compute core and bound a connector server's threads to both (docs/serving.md, "CPU engine")."""
         reserved = self.engine_reserved_cores
         if reserved is None:
             reserved = 0 if (os.cpu_count() or 1) <= SMALL_MACHINE_CORES else 1

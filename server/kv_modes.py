@@ -38,6 +38,7 @@ class KVReuseMode:
     """One KV reuse mode. The defaults are those of a mode that moves K/V with the connector."""
 
     name: ClassVar[str]
+    summary: ClassVar[str] = ""             # what it does, for --help (`describe`); default: its name
     uses_connector: ClassVar[bool] = True   # a server whose --kv-reuse this is starts vLLM with the connector
 
     def engine_args(self, cfg: ServeConfig) -> list[str]:
@@ -63,15 +64,18 @@ class KVReuseMode:
 
 class Recompute(KVReuseMode):
     name = "recompute"
+    summary = "recompute (exact)"
     uses_connector = False
 
 
 class Shift(KVReuseMode):
     name = "shift"
+    summary = "shift cached K/V with the kernel"
 
 
 class Blend(KVReuseMode):
     name = "blend"
+    summary = "blend (shift, recompute a share)"
 
     def primes(self, replacement_tokens: int) -> bool:
         return True   # blend plans with what the priming response says (block size, tokens held)
@@ -98,6 +102,12 @@ def register(mode: type[KVReuseMode]) -> type[KVReuseMode]:
 def kv_mode(name: str) -> KVReuseMode:
     """The mode of a wire name (one the edge has checked against ``mode_literal``)."""
     return _MODES[name]
+
+
+def describe() -> str:
+    """The registered modes in one phrase, for ``--kv-reuse``'s help."""
+    said = [m.summary or m.name for m in _MODES.values()]
+    return ", ".join(said[:-1]) + (" or " if len(said) > 1 else "") + said[-1]
 
 
 def mode_literal():

@@ -128,7 +128,7 @@ async def attach(cfg: ServeConfig, engine, body: dict, prepared, mode: KVMode | 
     if not cfg.kv_connector:
         if reuse.uses_connector and prepared.edits:
             log.warning("kv_reuse %s asked (session %s), but this server runs without the KV connector "
-                        "(--kv-reuse recompute): recomputing", reuse.name, prepared.session_id)
+                        "(--kv-reuse %s): recomputing", reuse.name, prepared.session_id, cfg.kv_reuse)
             KV_FALLBACKS.labels("connector_disabled").inc()
             for kv in _kv_reports(prepared):
                 kv.update(mode=Recompute.name, requested=reuse.name, fallback="connector_disabled")

@@ -74,7 +74,7 @@ class SessionRef:
 
 
 def session_ref(headers: Mapping[str, str], body: Mapping[str, Any]) -> SessionRef:
-    """The client's own session id, by the documented precedence (README, "Sessions")."""
+    """The client's own session id, by the documented precedence (docs/sessions-and-threads.md)."""
     for name, get, own in SOURCES:
         value = get(headers, body)
         if value is None or value == "":
