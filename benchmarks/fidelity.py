@@ -4,8 +4,9 @@ ghosting, and llama.cpp's ``--cache-reuse`` side by side.
 For each seed and conversation size (``fidelity_scenario``): per mode, the agent's previous
 request (the whole conversation; the connector holds its blocks), then the request after clearing
 (timed: priming, probe and blend passes included; one token, so its latency is the TTFT), then
-every question on that edited prompt, each through a fresh session on the same cache salt, so each
-answer reads the K/V the mode produced (recompute's, moved, or blended) from vLLM's prefix cache.
+every question on that edited prompt, each as the edited request of a session of its own (the
+previous request first, then the question with the clearing), so each answer reads the K/V its mode
+makes there (recompute's, moved, or blended): moved K/V live under their branch's cache salt only.
 Modes: ``recompute``, ``shift``, and ``blend`` per strategy (``tail``, ``cuts``, ``deviation``) and
 recompute fraction. Scores: exact match on kept facts (near/far from a cut), ghost answers (facts
 only cleared results held), and against recompute's answers KL over the top-20 first-token
@@ -70,11 +71,17 @@ def run_mode(http, model: str, msgs: list[dict], questions: list[sc.Question], k
     recomputed = (usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
                   + kv.get("pass_computed_tokens", 0))
     def answer(q: sc.Question) -> dict:
-        body = {**base, "kv_reuse": "recompute", "messages": sc.ask(msgs, q), "max_tokens": MAX_TOKENS,
-                "stop": ["\n"], "logprobs": True, "top_logprobs": TOP, "context_management": cm}
-        body.pop("kv_blend", None)
-        r = _post(http, body, f"{salt}-q{uuid.uuid4().hex[:6]}")
-        return {"text": r["choices"][0]["message"]["content"] or "", "body": r,
+        """The question as the edited request of a session of its own: the previous request first (a
+        prefix-cache hit under the key's exact salt; the connector holds its blocks for this session),
+        then the question with the clearing, read from the K/V the mode makes in this session's branch
+        (another session's moved K/V are under another branch's salt, never readable here)."""
+        sid = f"{salt}-q{uuid.uuid4().hex[:6]}"
+        _post(http, {**base, "messages": msgs, "max_tokens": 1, "context_management": {"edits": []}}, sid)
+        body = {**base, "messages": sc.ask(msgs, q), "max_tokens": MAX_TOKENS, "stop": ["\n"], "logprobs": True,
+                "top_logprobs": TOP, "context_management": cm}
+        r = _post(http, body, sid)
+        kv = (r["context_management"]["applied_edits"] or [{}])[0].get("kv", {})
+        return {"text": r["choices"][0]["message"]["content"] or "", "body": r, "reused": kv.get("reused_tokens", 0),
                 "cached": r["usage"]["prompt_tokens_details"]["cached_tokens"], "prompt": r["usage"]["prompt_tokens"]}
 
     with ThreadPoolExecutor(PARALLEL) as pool:   # answers are not timed: batch them
@@ -134,7 +141,9 @@ def agentkv_phase(ep: Endpoint, renderer, seeds: list[int], uses: list[int], mod
                     rows.append({"engine": "agentkv", "seed": seed, "uses": n, "mode": name, "kv_reuse": kv_reuse,
                                  "strategy": (blend or {}).get("strategy", name), "fraction": (blend or {}).get(
                                      "fraction", 0.0 if name == "shift" else None), **res,
-                                 "question_prefix_hit": prefix_hit, **score(questions, answers, ref, near)})
+                                 "question_prefix_hit": prefix_hit,
+                                 "question_reused_tokens": statistics.fmean(a["reused"] for a in answers),
+                                 **score(questions, answers, ref, near)})
     return rows
 
 
