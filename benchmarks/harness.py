@@ -13,14 +13,19 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _cpu_model() -> str:
+def cpuinfo(key: str) -> str | None:
+    """The first ``key`` line's value in ``/proc/cpuinfo`` (None where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(key):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown CPU"
+    return None
+
+
+def _cpu_model() -> str:
+    return cpuinfo("model name") or platform.processor() or "unknown CPU"
 
 
 def _version(dist: str) -> str | None:

