@@ -6,9 +6,9 @@ an agent's can make half the window), since only the rest can be cleared. Clear 
 when the prompt fills ``clear_at`` of the room, in one batch down to ``clear_to`` of it
 (the newest 3 tool uses are kept unless that takes more: then all but the newest), so the session
 runs many turns before the next edit (a batch that cannot bring the prompt under ``clear_at`` waits
-for the summary: ``left_to_summary``); summarize at ``compact_at`` of the room, keeping the
-newest 30% of it word for word and up to 5% of the window of user messages copied into the
-summary; the note itself at most 1/8 of the window (1024 tokens). The fractions' defaults are
+for the summary: ``ClearToolUses.left_to_summary``); summarize at ``compact_at`` of the room,
+keeping the newest 30% of it word for word and up to 5% of the window of user messages copied into
+the summary; the note itself at most 1/8 of the window (1024 tokens). The fractions' defaults are
 ``ServeConfig``'s (``--clear-at``, ``--clear-to``, ``--compact-at``). A fixed part that leaves less
 than ``MIN_ROOM`` of the window is said once (``room_warning``) instead of thrashing.
 """
@@ -63,18 +63,6 @@ def default_policy(window: int, fixed: int, clear_at: float, clear_to: float, co
         Compact(trigger=fixed + int(room * compact_at), keep_recent_tokens=int(room * 0.3),
                 user_messages_tokens=int(window * 0.05), summary_max_tokens=summary_limit(window)),
     ])
-
-
-def left_to_summary(edit: ClearToolUses, tokens_before: int, tokens_after: int, policy: ContextManagement,
-                    window: int | None) -> bool:
-    """Whether a low-water batch (agentkv's ``clear_to``) waits for the policy's summary: it cannot
-    bring the prompt under its own trigger (what is left is text, which only a summary reduces), so
-    made now it would fire again on every turn, each time clearing a little; it waits while the
-    prompt is under a later ``compact`` edit's trigger (and the window), so nothing overflows. At
-    that trigger the batch is made before the summary (less to summarize; the prompt still shrinks
-    if the summary fails). Anthropic's own ``clear_tool_uses`` (no ``clear_to``) never waits.
-    (``ClearToolUses.left_to_summary``, each later edit's ``defers_clearing``.)"""
-    return edit.left_to_summary(tokens_before, tokens_after, policy.edits, window)
 
 
 def room_warning(window: int, fixed: int) -> str | None:

@@ -163,7 +163,7 @@ def test_a_batch_that_cannot_get_under_its_trigger_waits_for_the_summary(rendere
     prompt is under the summary's trigger (and the window); at that trigger, or with no summary in
     the policy, or for Anthropic's clearing (no ``clear_to``), it is made."""
     from agentkv.compaction.config import Compact
-    from agentkv.compaction.policy import ContextManagement, left_to_summary
+    from agentkv.compaction.policy import ContextManagement
 
     text = " ".join(["the cache of the server"] * 120)
     msgs = [{"role": "user", "content": text}]
@@ -176,18 +176,18 @@ def test_a_batch_that_cannot_get_under_its_trigger_waits_for_the_summary(rendere
     summary = ContextManagement(edits=[Compact(trigger=before + 100)])
     reachable = ClearToolUses(trigger=before - results // 2, keep=1, clear_to=0)
     r = clear_tool_uses(msgs, renderer, reachable, TOOLS)
-    assert r.edits and not left_to_summary(reachable, r.tokens_before, r.tokens_after, summary, 10 * before)
+    assert r.edits and not reachable.left_to_summary(r.tokens_before, r.tokens_after, summary.edits, 10 * before)
     text_bound = ClearToolUses(trigger=before - results - 50, keep=1, clear_to=0)     # text alone is over it
     r = clear_tool_uses(msgs, renderer, text_bound, TOOLS)
     assert r.edits and r.tokens_after >= text_bound.trigger.value
-    assert left_to_summary(text_bound, r.tokens_before, r.tokens_after, summary, 10 * before)      # waits
-    waits = functools.partial(left_to_summary, text_bound, policy=summary, window=10 * before)
+    assert text_bound.left_to_summary(r.tokens_before, r.tokens_after, summary.edits, 10 * before)      # waits
+    waits = functools.partial(text_bound.left_to_summary, edits=summary.edits, window=10 * before)
     assert clear_tool_uses(msgs, renderer, text_bound, TOOLS, wait=waits).edits == []             # as the step asks
     assert clear_tool_uses(msgs, renderer, reachable, TOOLS, wait=functools.partial(
-        left_to_summary, reachable, policy=summary, window=10 * before)).edits
-    assert not left_to_summary(text_bound, r.tokens_before, r.tokens_after, summary, before)       # window
+        reachable.left_to_summary, edits=summary.edits, window=10 * before)).edits
+    assert not text_bound.left_to_summary(r.tokens_before, r.tokens_after, summary.edits, before)       # window
     at_summary = ContextManagement(edits=[Compact(trigger=before)])
-    assert not left_to_summary(text_bound, r.tokens_before, r.tokens_after, at_summary, 10 * before)
-    assert not left_to_summary(text_bound, r.tokens_before, r.tokens_after, ContextManagement(), 10 * before)
+    assert not text_bound.left_to_summary(r.tokens_before, r.tokens_after, at_summary.edits, 10 * before)
+    assert not text_bound.left_to_summary(r.tokens_before, r.tokens_after, ContextManagement().edits, 10 * before)
     anthropic = text_bound.model_copy(update={"clear_to": None})
-    assert not left_to_summary(anthropic, r.tokens_before, r.tokens_after, summary, 10 * before)
+    assert not anthropic.left_to_summary(r.tokens_before, r.tokens_after, summary.edits, 10 * before)
