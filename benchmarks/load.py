@@ -112,9 +112,12 @@ async def measure(url: str, api_key: str | None, model: str, sessions: int, turn
     for k in kv:
         if k.get("fallback"):
             fallbacks[k["fallback"]] = fallbacks.get(k["fallback"], 0) + 1
+    reusable = len(kv) - fallbacks.get("too_short", 0)
+    reused = sum(1 for k in kv if k.get("reused_tokens"))
     return {"sessions": sessions, "turns": turns, "tool_lines": lines, "max_tokens": max_tokens, "kv_reuse": kv_reuse,
             "kv_edits": len(kv), "kv_reused_tokens": sum(k.get("reused_tokens", 0) for k in kv),
-            "kv_fallbacks": fallbacks,
+            "kv_fallbacks": fallbacks, "kv_edits_reusable": reusable, "kv_edits_reused": reused,
+            "kv_reused_share": reused / reusable if reusable else None,
             "requests": int(lat.size), "errors": sum(len(r["errors"]) for r in recs),
             "error_messages": [e for r in recs for e in r["errors"]][:20], "wall_s": wall,
             "requests_per_s": lat.size / wall if wall else 0.0,
@@ -128,6 +131,25 @@ async def measure(url: str, api_key: str | None, model: str, sessions: int, turn
             "latencies_s": lat.tolist(),
             "per_turn": [{"prompt_tokens": p, "latency_s": x}
                          for r in recs for p, x in zip(r["prompt_tokens"], r["latencies"])]}
+
+
+def host_tier_metrics(ep: Endpoint) -> dict[str, float]:
+    """The server's host-tier counters (``vllm:agentkv_kv_*``, docs/kv-reuse.md), with bytes and
+    milliseconds per restore; empty when the server has no connector."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {ep.api_key}"} if ep.api_key else {}
+    text = httpx.get(f"{ep.url}/metrics", headers=headers, timeout=30).text
+    names = ("spilled_blocks", "restored_blocks", "dropped_blocks", "restores", "restore_bytes", "restore_seconds")
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in names:
+            if line.startswith(f"vllm:agentkv_kv_{name}_total"):
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    if out.get("restores"):
+        out["bytes_per_restore"] = out.get("restore_bytes", 0.0) / out["restores"]
+        out["ms_per_restore"] = 1000 * out.get("restore_seconds", 0.0) / out["restores"]
+    return out
 
 
 def hit_rate(rec: dict) -> float:
@@ -160,6 +182,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
     ap.add_argument("--kv-reuse", choices=KV_MODES, default="recompute",
                     help="KV reuse asked for after clearing (shift/blend need the server's KV connector)")
+    ap.add_argument("--kv-offload-gib", type=float, default=None,
+                    help="the started server's host tier for held K/V (0: none; default: the server's default); "
+                         "results of a run without it are named ...-no-tier")
     add_endpoint_args(ap)
     args = ap.parse_args(argv)
     sessions, turns = (4, 5) if args.quick else (args.sessions, args.turns)
@@ -167,22 +192,29 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--sessions and --turns must be >= 1, with at most 10,000 requests in all")
     # a 2k window when we start the server: clearing fires within a few turns
     serve = ("--max-model-len", "2048") + (("--kv-reuse", "shift") if kv_mode(args.kv_reuse).uses_connector else ())
+    if args.kv_offload_gib is not None:
+        if args.url:
+            ap.error("--kv-offload-gib configures the server this benchmark starts; not with --url")
+        serve += ("--kv-offload-gib", str(args.kv_offload_gib))
     with Endpoint(args.url, args.api_key, serve_args=serve) as ep:
         model = ep.model()["id"]
         res = asyncio.run(measure(ep.url, ep.api_key, model, sessions, turns, args.tool_lines, args.max_tokens,
                                   args.kv_reuse))
+        res["host_tier"] = host_tier_metrics(ep)
     m = machine()
-    result = {"machine": m, "model": model, **res}
-    name = "load" + (f"-{args.kv_reuse}" if args.kv_reuse != "recompute" else "") + ("-quick" if args.quick else "")
+    result = {"machine": m, "model": model, "kv_offload_gib": args.kv_offload_gib, **res}
+    name = ("load" + (f"-{args.kv_reuse}" if args.kv_reuse != "recompute" else "")
+            + ("-no-tier" if args.kv_offload_gib == 0 else "") + ("-quick" if args.quick else ""))
     fig = plot(res, f"load: {sessions} sessions x {turns} turns, kv_reuse {args.kv_reuse}, {model}\n{machine_line(m)}")
     jpath, ppath = write_results(name, result, fig, args.out)
     print_table(f"load ({model}, {sessions} sessions x {turns} turns, kv_reuse {args.kv_reuse})",
                 ["requests", "errors", "req/s", "p50 s", "p99 s", "with clearing", "logs complete", "hit rate mean",
-                 "hit rate min", "KV reused", "KV fallbacks"],
+                 "hit rate min", "edits reused", "KV reused", "KV fallbacks", "host tier"],
                 [[res["requests"], res["errors"], res["requests_per_s"], res["latency_p50_s"] or "",
                   res["latency_p99_s"] or "", res["requests_with_clearing"], f"{res['logs_complete']}/{sessions}",
-                  res["hit_rate_mean"] or 0.0, res["hit_rate_min"] or 0.0, res["kv_reused_tokens"],
-                  json.dumps(res["kv_fallbacks"])]],
+                  res["hit_rate_mean"] or 0.0, res["hit_rate_min"] or 0.0,
+                  f"{res['kv_edits_reused']}/{res['kv_edits_reusable']}", res["kv_reused_tokens"],
+                  json.dumps(res["kv_fallbacks"]), json.dumps(res["host_tier"])]],
                 machine_line(m))
     for e in res["error_messages"]:
         print("error:", e)

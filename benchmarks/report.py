@@ -140,6 +140,17 @@ def _load(r: dict) -> str:
         cols += ["kv_reuse", "KV edits", "KV reused tokens", "KV fallbacks (reason: edits)"]
         row += [r["kv_reuse"], r["kv_edits"], r["kv_reused_tokens"],
                 _reasons(r["kv_fallbacks"])]
+        if "kv_edits_reused" in r:   # runs since the host tier: its size, the share reused, its counters
+            tier = r.get("host_tier") or {}
+            gib = r.get("kv_offload_gib")
+            cols += ["host tier", "edits reused (of those long enough)", "blocks spilled / restored / dropped",
+                     "per restore"]
+            row += ["off" if gib == 0 else "server default" if gib is None else f"{gib:g} GiB",
+                    f"{r['kv_edits_reused']}/{r['kv_edits_reusable']}",
+                    " / ".join(str(int(tier.get(k, 0))) for k in ("spilled_blocks", "restored_blocks",
+                                                                    "dropped_blocks")),
+                    f"{tier['bytes_per_restore'] / 2**20:.1f} MiB in {tier['ms_per_restore']:.1f} ms"
+                    if tier.get("restores") else "-"]
     return table(cols, [row])
 
 
@@ -268,7 +279,8 @@ def _rows(r: dict) -> str:
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "kernel": _kernel, "kv-memory": _kv_memory, "decode-throughput": _decode, "delayed-recall": _delayed_recall,
     "probe": _probe, "clear-vs-recompute": _clear_vs_recompute, "load": _load, "load-shift": _load,
-    "load-blend": _load, "connector-cost": _connector_cost, "front": _front, "front-prompt": _front,
+    "load-shift-no-tier": _load, "load-blend": _load, "connector-cost": _connector_cost, "front": _front,
+    "front-prompt": _front,
     "fidelity": _fidelity,
     "gpu_check": _gpu_check, "gpu-prefill": _gpu_prefill, "replicas": _replicas,
     "engine-input": _engine_input,

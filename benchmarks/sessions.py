@@ -32,7 +32,8 @@ from pathlib import Path
 from .harness import Endpoint, machine, machine_line, print_table, pyplot, start_logged, wait_ready, write_results
 from .session_record import DATA, load
 
-ARMS = ("vllm", "recompute", "shift", "floor")
+ARMS = ("vllm", "recompute", "shift", "shift-no-tier", "floor")
+DEFAULT_ARMS = ("vllm", "recompute", "shift", "floor")   # shift-no-tier: shift without the host tier, on demand
 FLOOR_WINDOW = 262_144
 
 
@@ -160,7 +161,8 @@ def wide_model(layers: int) -> tuple[str, str]:
 def agentkv_args(arm: str, path: str, model: str, window: int) -> tuple[str, ...]:
     serve = ("--model", path, "--served-model-name", model,
              "--max-model-len", str(FLOOR_WINDOW if arm == "floor" else window))
-    serve += {"shift": ("--kv-reuse", "shift"), "floor": ("--no-context-management",)}.get(arm, ())
+    serve += {"shift": ("--kv-reuse", "shift"), "shift-no-tier": ("--kv-reuse", "shift", "--kv-offload-gib", "0"),
+              "floor": ("--no-context-management",)}.get(arm, ())
     # each arm its own session log: a session's view (what was cleared) must not carry over
     return serve + ("--session-db", str(Path(tempfile.mkdtemp(prefix="agentkv-sessions-")) / "sessions.db"))
 
@@ -273,7 +275,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="replay the first N public Claude Code traces (benchmarks/data/traces) instead")
     ap.add_argument("--trace-words", type=int, default=16,
                     help="--traces: words (about tokens) per 64-token block of a trace (16: a quarter scale)")
-    ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(DEFAULT_ARMS),
+                    help="shift-no-tier: shift with no host tier for held K/V (--kv-offload-gib 0)")
     ap.add_argument("--layers", type=int, default=4, help="layers of the random test model served (its "
                     "positions reach 262,144 tokens)")
     ap.add_argument("--window", type=int, default=65536, help="context window of the vllm/recompute/shift arms")

@@ -77,6 +77,12 @@ class PagedKV:
         return cls(key.unsqueeze(1), value.unsqueeze(1))
 
 
+def block_dim(kv_layer: torch.Tensor) -> int:
+    """The dimension of a layer tensor vLLM registers that counts its blocks (``PagedKV.from_vllm``'s
+    layouts): 1 in FlashAttention's ``[2, blocks, ...]``, else 0."""
+    return 1 if kv_layer.dim() == 5 and kv_layer.shape[0] == 2 else 0
+
+
 def slots_of(positions: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
     """Slot ids (``block * block_size + offset``) of token ``positions`` under ``block_table``."""
     blocks = block_table.to(positions.device, torch.int64)[positions // block_size]

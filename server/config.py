@@ -37,6 +37,19 @@ def url_passwords(url: str) -> tuple[str, ...]:
 
 
 SMALL_MACHINE_CORES = 4   # up to this many, every core computes (a reserved core is a large share of them)
+OFFLOAD_SHARE, OFFLOAD_MAX_GIB = 0.25, 8.0   # the host tier's default: this share of the free memory, at most
+
+
+def mem_available_gib() -> float:
+    """Host memory free for new allocations now (``MemAvailable`` of /proc/meminfo), in GiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
 
 
 class ServeConfig(BaseModel):
@@ -94,6 +107,10 @@ class ServeConfig(BaseModel):
     kv_hold_fraction: float = Field(0.25, ge=0, le=1, description="connector: share of the KV pool that may hold "
                                     "sessions' last prompt blocks for their next turn (0: hold nothing, recompute)")
     kv_hold_ttl_s: float = Field(300.0, gt=0, description="connector: seconds a session's blocks are held at most")
+    kv_offload_gib: float | None = Field(
+        None, ge=0, description="connector: GiB of host memory per engine worker that keeps held blocks vLLM takes "
+                                "back, for the session's next turn (0: none); default: a quarter of the memory free at "
+                                f"start, at most {OFFLOAD_MAX_GIB:g}")
     shared_prefix_cache: bool = Field(False, description="one tenant: requests of every API key share prefix-cache "
                                       "blocks (off: each key's are its own, so no key can time another's prompts)")
     max_request_mb: float = Field(32.0, gt=0, description="largest accepted request body (MiB)")
@@ -146,6 +163,25 @@ class ServeConfig(BaseModel):
             raise ValueError(f"clear_to ({self.clear_to}) must be below clear_at ({self.clear_at}): clearing "
                              "that does not bring the prompt under its trigger fires again on the next turn")
         return self
+
+    @model_validator(mode="after")
+    def _offload_fits(self) -> ServeConfig:
+        if self.kv_offload_gib and self.kv_connector:
+            workers = self.tensor_parallel_size * self.pipeline_parallel_size
+            free = mem_available_gib()
+            if self.kv_offload_gib * workers > free:
+                raise ValueError(f"kv_offload_gib: {self.kv_offload_gib:g} GiB of host memory per worker x {workers} "
+                                 f"cannot be had: {free:.1f} GiB is free (lower it, or 0 for no host tier)")
+        return self
+
+    @property
+    def kv_offload_bytes(self) -> int:
+        """The host tier's size per engine worker (0: none): ``kv_offload_gib``, or its default."""
+        gib = self.kv_offload_gib
+        if gib is None:
+            gib = min(OFFLOAD_MAX_GIB, OFFLOAD_SHARE * mem_available_gib() / (self.tensor_parallel_size
+                                                                             * self.pipeline_parallel_size))
+        return int(gib * 2**30)
 
     def cpu_env(self) -> dict[str, str]:
         """vLLM's CPU settings, the same for every KV mode: vLLM reserves one core for its scheduler

@@ -45,7 +45,8 @@ class KVReuseMode:
         """vLLM's arguments for a server whose default mode this is: agentkv's KV connector."""
         if not self.uses_connector:
             return []
-        return ["--kv-transfer-config", json.dumps(transfer_config(cfg.kv_hold_fraction, cfg.kv_hold_ttl_s))]
+        return ["--kv-transfer-config", json.dumps(transfer_config(cfg.kv_hold_fraction, cfg.kv_hold_ttl_s,
+                                                                   cfg.kv_offload_bytes))]
 
     def moves(self, cfg: ServeConfig) -> bool:
         """Whether a request in this mode hands its clearing edits to the connector (the server runs

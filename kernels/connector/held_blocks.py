@@ -9,8 +9,11 @@ Bounds: a budget of held block references (a share of the pool) and a time-to-li
 or when vLLM runs short of blocks, held blocks are *released*: the reference goes back with
 ``BlockPool.unpin_blocks``, which counts the blocks as free again but tells us when one is handed
 out; until then a released entry can still be read (its blocks are still what they were). An entry
-whose block was handed out is gone ("evicted"). Everything lives in the scheduler process, so an
-engine restart starts empty. Not thread-safe: vLLM calls the scheduler side from one thread.
+whose block was handed out is gone from the pool ("evicted"); ``on_lost`` hears of it at that moment,
+inside the scheduler step that handed the block out, so the blocks can still be copied to the host
+tier (``host_tier``) before that step's forward pass writes them. A prompt larger than the whole
+budget is held released from the start. Everything lives in the scheduler process, so an engine
+restart starts empty. Not thread-safe: vLLM calls the scheduler side from one thread.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class HeldEntry:
     held_at: float
     pinned: bool = True            # we hold a reference on every block
     valid: bool = True             # no block was handed out since
+    host_blocks: list[int] | None = None   # where the host tier keeps a copy (``host_tier``), or None
     _digest: str | None = None
 
     @property
@@ -67,6 +71,7 @@ class HeldBlocks:
     budget: int
     ttl_s: float
     clock: Callable[[], float] = time.monotonic
+    on_lost: Callable[[HeldEntry], None] | None = None   # an entry's block was just handed out
     entries: OrderedDict[tuple[str, str], HeldEntry] = field(default_factory=OrderedDict)
     evicted: OrderedDict[str, str] = field(default_factory=OrderedDict)   # sessions whose entry went
     _watched: dict[int, set[HeldEntry]] = field(default_factory=dict)     # block id -> released entries
@@ -82,15 +87,15 @@ class HeldBlocks:
             return "no_budget"
         if n == 0 or len(blocks) < n or any(b.is_null for b in blocks):
             return "not_held"
-        if n > self.budget:
-            log.info("agentkv connector: %d blocks exceed the held-block budget %d; not held", n, self.budget)
-            self._mark_evicted(session)
-            return "evicted"
-        while self.held_blocks + n > self.budget:
+        over = n > self.budget
+        while not over and self.held_blocks + n > self.budget:
             self._release(next(e for e in self.entries.values() if e.pinned), "budget")
         self.pool.touch(blocks)
         self.held_blocks += n
-        self.entries[(session, kind)] = HeldEntry(session, kind, token_ids, blocks, self.clock())
+        entry = self.entries[(session, kind)] = HeldEntry(session, kind, token_ids, blocks, self.clock())
+        if over:   # readable until handed out, like any released entry (and then spilled, if a tier takes it)
+            log.info("agentkv connector: %d blocks exceed the held-block budget %d; released at once", n, self.budget)
+            self._release(entry, "budget")
         if kind == PROMPT:
             self.evicted.pop(session, None)
         while len(self.entries) > MAX_ENTRIES:
@@ -178,6 +183,8 @@ class HeldBlocks:
             if self.entries.get((e.session, e.kind)) is e:
                 del self.entries[(e.session, e.kind)]
             self._mark_evicted(e.session)
+            if self.on_lost is not None:
+                self.on_lost(e)
 
     def _mark_evicted(self, session: str) -> None:
         self.evicted[session] = "evicted"

@@ -36,7 +36,7 @@ from typing import Any
 NAMESPACE = "agentkv"   # the key in kv_transfer_params
 CONNECTOR_MODULE = "agentkv.kernels.connector.plugin"
 CONNECTOR_CLASS = "AgentKVConnector"
-DEFAULTS = {"hold_fraction": 0.25, "hold_ttl_s": 300.0}
+DEFAULTS = {"hold_fraction": 0.25, "hold_ttl_s": 300.0, "offload_bytes": 0}
 
 # Why a planned reuse fell back to recompute (the connector's reasons; the front adds its own).
 FALLBACKS = {
@@ -59,12 +59,14 @@ def prompt_hash(token_ids: Sequence[int]) -> str:
     return hashlib.sha256(raw).hexdigest()[:32]
 
 
-def transfer_config(hold_fraction: float, hold_ttl_s: float) -> dict:
-    """vLLM's ``--kv-transfer-config`` for agentkv's connector. A load that fails late is
-    recomputed by vLLM, never an error (``kv_load_failure_policy``)."""
+def transfer_config(hold_fraction: float, hold_ttl_s: float, offload_bytes: int = 0) -> dict:
+    """vLLM's ``--kv-transfer-config`` for agentkv's connector (``offload_bytes``: the host tier's
+    size on each worker, 0 for none). A load that fails late is recomputed by vLLM, never an error
+    (``kv_load_failure_policy``)."""
     return {"kv_connector": CONNECTOR_CLASS, "kv_role": "kv_both", "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"hold_fraction": hold_fraction, "hold_ttl_s": hold_ttl_s}}
+            "kv_connector_extra_config": {"hold_fraction": hold_fraction, "hold_ttl_s": hold_ttl_s,
+                                          "offload_bytes": offload_bytes}}
 
 
 def _ours(kv_transfer_params: Any) -> dict | None:

@@ -5,7 +5,8 @@ Loaded by vLLM through its public connector API (``params.transfer_config`` is i
     --kv-transfer-config '{"kv_connector": "AgentKVConnector", "kv_role": "kv_both",
                            "kv_connector_module_path": "agentkv.kernels.connector.plugin",
                            "kv_load_failure_policy": "recompute",
-                           "kv_connector_extra_config": {"hold_fraction": 0.25, "hold_ttl_s": 300}}'
+                           "kv_connector_extra_config": {"hold_fraction": 0.25, "hold_ttl_s": 300,
+                                                         "offload_bytes": 4294967296}}'
 
 vLLM makes one instance in the scheduler process (role SCHEDULER) and one per worker (role
 WORKER, one per tensor-parallel rank); they share nothing but the per-step metadata. The
@@ -15,6 +16,8 @@ an edit; the worker side (``worker.KVMover``) moves those tokens between blocks 
 tensors with ``move_tokens`` (keys re-rotated by the position delta). Whatever cannot be supplied
 is computed by vLLM: claims are made only for K/V that is held, and a load that fails on a worker
 is reported as failed blocks, which vLLM recomputes (``kv_load_failure_policy: recompute``).
+Held blocks vLLM takes back are copied to a host tier (``host_tier.HostTier`` plans it,
+``worker.HostStore`` holds it: ``offload_bytes`` per worker) and read from there by the next turn.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from .host_tier import block_bytes
 from .params import DEFAULTS
 from .scheduler import ReuseScheduler
 from .stats import AgentKVPromMetrics, AgentKVStats
@@ -55,6 +59,8 @@ except ImportError:  # pragma: no cover
 @dataclass
 class AgentKVMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
+    spills: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block), run first
+    host_blocks: int = 0                                          # the host tier's size in blocks
 
 
 @dataclass
@@ -75,8 +81,12 @@ class AgentKVConnector(KVConnectorBase_V1):
         self.scheduler: ReuseScheduler | None = None
         self.mover: KVMover | None = None
         if role == KVConnectorRole.SCHEDULER:
+            per_block = block_bytes(kv_cache_config)
+            host_blocks = int(extra["offload_bytes"]) // per_block if per_block else 0
+            if int(extra["offload_bytes"]) and not per_block:
+                log.warning("agentkv connector: the KV cache config gives no block size in bytes; no host tier")
             self.scheduler = ReuseScheduler(vllm_config.cache_config.block_size, unsupported,
-                                            float(extra["hold_fraction"]), float(extra["hold_ttl_s"]))
+                                            float(extra["hold_fraction"]), float(extra["hold_ttl_s"]), host_blocks)
         else:
             self.mover = KVMover(rope, vllm_config.cache_config.block_size)
         self._failed_blocks: set[int] = set()
@@ -115,7 +125,11 @@ class AgentKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """End of each schedule(): this step's loads (block ids of held sources and destinations)."""
-        return AgentKVMetadata(self._sched.build_loads(scheduler_output))
+        loads, spills = self._sched.build_loads(scheduler_output), self._sched.take_spills()
+        if spills:   # copied before this step's forward pass writes those blocks (as HiSparse does for its loads)
+            scheduler_output.has_sync_kv_loads = True
+        host = self._sched.host
+        return AgentKVMetadata(loads, spills, host.capacity if host is not None else 0)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """After each step: blocks the workers failed to load mark their requests' outcome."""
@@ -148,8 +162,17 @@ class AgentKVConnector(KVConnectorBase_V1):
         self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
 
     def get_kv_connector_stats(self) -> AgentKVStats | None:
-        """After each step (scheduler side; the worker side has none): outcomes since the last call."""
-        return self.scheduler.take_stats() if self.scheduler is not None else None
+        """After each step: outcomes and the host tier's counts since the last call (scheduler side),
+        or the restores measured since then (worker side; vLLM adds them to the scheduler's)."""
+        if self.scheduler is not None:
+            return self.scheduler.take_stats()
+        restored = self._mover.restored.take()
+        if not restored["restores"]:
+            return None
+        stats = AgentKVStats()
+        for name, value in restored.items():
+            stats.add(name, value)
+        return stats
 
     def reset_cache(self) -> bool:
         """vLLM's prefix-cache reset: forget every held entry."""
@@ -170,6 +193,8 @@ class AgentKVConnector(KVConnectorBase_V1):
         """Before the forward pass of a step with loads: every claimed token is in place when it
         returns. Failed loads are remembered for ``get_block_ids_with_load_errors``."""
         meta = self._get_connector_metadata()
+        if isinstance(meta, AgentKVMetadata) and meta.spills:     # before the loads write any block
+            self._mover.spill(meta.spills, meta.host_blocks)
         if isinstance(meta, AgentKVMetadata) and meta.loads:
             self._failed_blocks |= self._mover.load(meta.loads)
 

@@ -17,6 +17,7 @@ import numpy as np
 from agentkv.kernels.plan import Span
 
 from .held_blocks import PRIME, PROMPT, HeldBlocks, HeldEntry
+from .host_tier import HostTier
 from .params import Outcome, Params, Primed
 from .reuse_plan import Run, clip, cover
 from .stats import AgentKVStats
@@ -48,6 +49,19 @@ def _spans(p: Params) -> tuple[Span, ...]:
     return tuple(Span(*s) for s in p.spans)
 
 
+def _source(e: HeldEntry | None) -> list[int]:
+    """The block ids a load reads an entry from: its pool blocks, or its host blocks once the pool
+    took those back (none if the tier dropped it since: the load fails and vLLM recomputes)."""
+    if e is None:
+        return []
+    return e.block_ids if e.valid else list(e.host_blocks or [])
+
+
+def _blocks_read(runs: list[Run], source: int, block_size: int) -> int:
+    return len({b for r in runs if r.source == source
+                for b in range(r.src_start // block_size, (r.src_start + r.length - 1) // block_size + 1)})
+
+
 @dataclass
 class Claim:
     request_id: str
@@ -64,23 +78,52 @@ class ReuseScheduler:
     unsupported: str | None          # why nothing can be shifted in this engine, or None
     hold_fraction: float
     ttl_s: float
+    host_blocks: int = 0             # the host tier's capacity in blocks (0: no tier)
     held: HeldBlocks | None = None
+    host: HostTier | None = None
     claims: dict[str, Claim] = field(default_factory=dict)
     loading: dict[str, LoadSpec] = field(default_factory=dict)
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     stats: AgentKVStats = field(default_factory=AgentKVStats)
     geometry: str | None = None      # why a worker cannot move in its KV tensors, or None
     _reported_held: int = -1
+    _reported_host: int = -1
 
     def bind(self, pool: BlockPool) -> None:
         budget = int(self.hold_fraction * pool.num_gpu_blocks) if self.unsupported is None else 0
-        self.held = HeldBlocks(pool, self.block_size, budget, self.ttl_s)
+        self.held = HeldBlocks(pool, self.block_size, budget, self.ttl_s, on_lost=self._spill)
+        if budget > 0 and self.host_blocks > 0:
+            self.host = HostTier(self.host_blocks)
+            log.info("agentkv connector: a host tier of %d blocks keeps held prompts the pool takes back",
+                     self.host_blocks)
         if self.unsupported is None and budget <= 0:
             log.warning("agentkv connector: the held-block budget is zero (hold_fraction %s of %d blocks): "
                         "nothing is held, every edit recomputes", self.hold_fraction, pool.num_gpu_blocks)
         elif self.unsupported is None:
             log.info("agentkv connector: holding up to %d of %d KV blocks for sessions' next turns, "
                      "for at most %.0f s each", budget, pool.num_gpu_blocks, self.ttl_s)
+
+    def _spill(self, entry: HeldEntry) -> None:
+        """A held entry lost its blocks to another request this step: copy it to the host tier."""
+        if self.host is not None:
+            self.host.spill(entry, protect=self._claimed())
+
+    def _claimed(self, but: str | None = None) -> frozenset[int]:
+        """Entries that planned loads read (of requests other than ``but``)."""
+        return frozenset(id(e) for c in self.claims.values() if c.request_id != but for e in c.entries
+                         if e is not None)
+
+    def _entry(self, session: str, kind: str) -> HeldEntry | None:
+        """The session's entry of ``kind`` in the pool, else in the host tier, else None."""
+        entry = self.bound.get(session, kind)
+        if entry is None and self.host is not None:
+            entry = self.host.get(session, kind)
+        return entry
+
+    def _drop(self, session: str, kind: str | None = None) -> None:
+        self.bound.drop(session, kind)
+        if self.host is not None:
+            self.host.drop(session, kind)
 
     @property
     def bound(self) -> HeldBlocks:
@@ -95,9 +138,7 @@ class ReuseScheduler:
         if self.held is None:
             return 0
         need = -(-request.num_tokens // self.block_size) + 1
-        planned = frozenset(id(e) for c in self.claims.values() if c.request_id != request.request_id
-                            for e in c.entries if e is not None)
-        self.held.make_room(need, keep=p.session if p else None, protect=planned)
+        self.held.make_room(need, keep=p.session if p else None, protect=self._claimed(but=request.request_id))
         if p is None or not p.spans or p.prime or request.num_preemptions:
             return 0
         self.claims.pop(request.request_id, None)
@@ -107,7 +148,7 @@ class ReuseScheduler:
         self.outcomes[request.request_id] = Outcome(claim.end - claim.start if claim else 0, why)
         if claim is None:
             return 0
-        self.held.pin([e for e in claim.entries if e is not None])
+        self.held.pin([e for e in claim.entries if e is not None and e.valid])
         self.claims[request.request_id] = claim
         return claim.end - claim.start
 
@@ -125,12 +166,12 @@ class ReuseScheduler:
             return None, "geometry"
         if self.bound.budget <= 0:
             return None, "no_budget"
-        prompt = self.bound.get(p.session, PROMPT)
+        prompt = self._entry(p.session, PROMPT)
         if prompt is None:
             return None, self.bound.missing_reason(p.session)
         if p.held is None or p.held != prompt.identity:   # before anything is read from it
             return None, "held_mismatch"
-        prime = self.bound.get(p.session, PRIME) if any(n for _, _, n in p.spans) else None
+        prime = self._entry(p.session, PRIME) if any(n for _, _, n in p.spans) else None
         return self._claim(request, p, [prompt, prime], _spans(p), start, need)
 
     def _prefix(self, request: Request, p: Params, start: int, need: int) -> Claim | None:
@@ -138,14 +179,14 @@ class ReuseScheduler:
         shares with the held prompt from the start, at the same positions (no rotation; the K/V of
         a position depend on the tokens up to it only), which vLLM's cache under the branch's
         approximate salt may not hold yet (its first moved edit)."""
-        prompt = self.bound.get(p.session, PROMPT)
+        prompt = self._entry(p.session, PROMPT)
         return None if prompt is None else self._claim(request, p, [prompt, None], (), start, need)[0]
 
     def _claim(self, request: Request, p: Params, entries: list[HeldEntry | None], spans: tuple[Span, ...],
                start: int, need: int) -> tuple[Claim | None, str | None]:
         """What ``entries`` (by source index) supply of the request from ``start`` under ``spans``:
         the claim, or why there is none."""
-        repin = sum(len(e.blocks) for e in entries if e is not None and not e.pinned)
+        repin = sum(len(e.blocks) for e in entries if e is not None and e.valid and not e.pinned)
         if repin and self.bound.pool.get_num_free_blocks() - repin < need:
             return None, "evicted"                   # memory pressure: its blocks are needed
         ids = request.prompt_token_ids or []
@@ -186,15 +227,19 @@ class ReuseScheduler:
         for new in out.scheduled_new_reqs:
             claim = self.claims.pop(new.req_id, None)
             if claim is not None:
-                spec = LoadSpec(new.req_id, list(new.block_ids[0]),
-                                [[] if e is None else e.block_ids for e in claim.entries],
-                                [(r.source, r.src_start, r.dst_start, r.length) for r in claim.runs])
+                spec = LoadSpec(new.req_id, list(new.block_ids[0]), [_source(e) for e in claim.entries],
+                                [(r.source, r.src_start, r.dst_start, r.length) for r in claim.runs],
+                                [e is not None and not e.valid for e in claim.entries])
                 loads.append(spec)
                 self.loading[new.req_id] = spec
+                if self.host is not None:
+                    self.host.counts["restored_blocks"] += sum(
+                        _blocks_read(claim.runs, i, self.block_size)
+                        for i, e in enumerate(claim.entries) if e is not None and not e.valid)
             sp = new.sampling_params
             p = params_of((sp.extra_args or {}).get("kv_transfer_params") if sp is not None else None)
             if p is not None and not p.prime and not p.keep:
-                self.held.drop(p.session)
+                self._drop(p.session)
         self.held.expire()
         if loads:
             log.info("agentkv connector: step loads %s",
@@ -225,10 +270,13 @@ class ReuseScheduler:
         if (p is not None and not p.keep and ok and self.held is not None and self.unsupported is None
                 and self.geometry is None and request.num_computed_tokens >= len(prompt)):
             ids = cast("Sequence[int]", np.asarray(prompt, dtype=np.int64))   # an array reads as a sequence here
-            self.held.hold(p.session, PRIME if p.prime else PROMPT, ids, block_ids)
+            kind = PRIME if p.prime else PROMPT
+            if self.host is not None:
+                self.host.drop(p.session, kind)
+            self.held.hold(p.session, kind, ids, block_ids)
         outcome = self.outcomes.pop(request.request_id, None)
         if p is not None and p.prime and self.held is not None:   # what the front's blend plans need
-            entry = self.held.get(p.session, PROMPT)
+            entry = self._entry(p.session, PROMPT)
             usable = entry if entry is not None and (p.held is None or p.held == entry.identity) else None
             return Primed(self.block_size, len(usable.token_ids) if usable is not None else 0).to_wire()
         if outcome is None:
@@ -239,10 +287,19 @@ class ReuseScheduler:
         self.stats.count(outcome.fallback, outcome.reused_tokens)
         return outcome.to_wire()
 
+    def take_spills(self) -> list[tuple[int, int]]:
+        """This step's copies of lost held blocks to the host tier (device block, host block)."""
+        return self.host.take_spills() if self.host is not None else []
+
     def take_stats(self) -> AgentKVStats | None:
         held = self.held.held_blocks if self.held is not None else 0
         if held != self._reported_held:
             self.stats.data["held_blocks"] = self._reported_held = held
+        if self.host is not None:
+            for name, n in self.host.take_counts().items():
+                self.stats.add(name, n)
+            if self.host.used != self._reported_host:
+                self.stats.data["host_blocks"] = self._reported_host = self.host.used
         if self.stats.is_empty():
             return None
         stats, self.stats = self.stats, AgentKVStats()
@@ -251,4 +308,6 @@ class ReuseScheduler:
     def reset(self) -> None:
         if self.held is not None:
             self.held.forget_all()
+        if self.host is not None:
+            self.host.clear()
         self.claims.clear()

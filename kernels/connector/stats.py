@@ -5,7 +5,12 @@ API server's Prometheus registry (vLLM's ``/metrics``, which agentkv's ``/metric
 - ``vllm:agentkv_kv_fallbacks_total{reason}``: requests with an edit whose K/V the connector
   could not supply, so vLLM recomputed them, by reason (``params.FALLBACKS``);
 - ``vllm:agentkv_kv_reused_tokens_total``: prompt tokens whose K/V the connector moved;
-- ``vllm:agentkv_kv_held_blocks``: block references held now.
+- ``vllm:agentkv_kv_held_blocks``: block references held now;
+- the host tier (``host_tier``): ``vllm:agentkv_kv_spilled_blocks_total``, ``..._restored_blocks_total``
+  and ``..._dropped_blocks_total`` (counted by the scheduler side), ``vllm:agentkv_kv_host_blocks``
+  (in use now), and per restore, from the worker side: ``vllm:agentkv_kv_restores_total``,
+  ``..._restore_bytes_total`` and ``..._restore_seconds_total`` (bytes and time per restore are
+  their ratios to the restores).
 """
 
 from __future__ import annotations
@@ -17,11 +22,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from .params import FALLBACKS
 
+COUNTERS = ("spilled_blocks", "restored_blocks", "dropped_blocks", "restores", "restore_bytes", "restore_seconds")
+GAUGES = ("held_blocks", "host_blocks")
+_HELP = {
+    "spilled_blocks": "KV blocks of held prompts copied to agentkv's host tier as vLLM took them back",
+    "restored_blocks": "KV blocks agentkv's connector read back from its host tier after an edit",
+    "dropped_blocks": "KV blocks the host tier could not keep (full, or an entry larger than it)",
+    "restores": "Loads that read K/V from agentkv's host tier",
+    "restore_bytes": "Bytes of K/V moved from agentkv's host tier into vLLM's blocks",
+    "restore_seconds": "Seconds the workers spent moving K/V from the host tier into vLLM's blocks",
+    "held_blocks": "KV block references agentkv's connector holds for sessions' next turns",
+    "host_blocks": "Blocks of agentkv's host tier in use",
+}
+
 
 @dataclass
 class AgentKVStats(KVConnectorStats):
-    """``data``: ``{"fallbacks": {reason: n}, "reused_tokens": n, "held_blocks": n}`` since the last
-    report (``held_blocks``: the latest value)."""
+    """``data``: ``{"fallbacks": {reason: n}, "reused_tokens": n, ...}`` since the last report: the
+    ``COUNTERS`` summed, the ``GAUGES`` (``held_blocks``, ``host_blocks``) their latest value."""
 
     data: dict[str, Any] = field(default_factory=lambda: {"fallbacks": {}, "reused_tokens": 0})
 
@@ -29,6 +47,11 @@ class AgentKVStats(KVConnectorStats):
         if fallback is not None:
             self.data["fallbacks"][fallback] = self.data["fallbacks"].get(fallback, 0) + 1
         self.data["reused_tokens"] += reused
+
+    def add(self, name: str, value: float) -> None:
+        """Add to one of the ``COUNTERS``."""
+        if value:
+            self.data[name] = self.data.get(name, 0) + value
 
     def reset(self) -> None:
         self.data = {"fallbacks": {}, "reused_tokens": 0}
@@ -38,19 +61,22 @@ class AgentKVStats(KVConnectorStats):
             for reason, n in other.data.get("fallbacks", {}).items():
                 self.data["fallbacks"][reason] = self.data["fallbacks"].get(reason, 0) + n
             self.data["reused_tokens"] += other.data.get("reused_tokens", 0)
-            if "held_blocks" in other.data:
-                self.data["held_blocks"] = other.data["held_blocks"]
+            for name in COUNTERS:
+                self.add(name, other.data.get(name, 0))
+            for name in GAUGES:
+                if name in other.data:
+                    self.data[name] = other.data[name]
         return self
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {"reused_tokens": self.data["reused_tokens"]}
         out.update({f"fallback_{r}": n for r, n in self.data["fallbacks"].items()})
-        if "held_blocks" in self.data:
-            out["held_blocks"] = self.data["held_blocks"]
+        out.update({name: self.data[name] for name in COUNTERS + GAUGES if name in self.data})
         return out
 
     def is_empty(self) -> bool:
-        return not self.data["fallbacks"] and not self.data["reused_tokens"] and "held_blocks" not in self.data
+        return not self.data["fallbacks"] and not self.data["reused_tokens"] and not any(
+            name in self.data for name in COUNTERS + GAUGES)
 
 
 class AgentKVPromMetrics(KVConnectorPromMetrics):
@@ -66,9 +92,11 @@ class AgentKVPromMetrics(KVConnectorPromMetrics):
         self._reused = self.make_per_engine(self._counter_cls(
             name="vllm:agentkv_kv_reused_tokens", labelnames=labelnames,
             documentation="Prompt tokens whose K/V agentkv's connector moved after an edit"))
-        self._held = self.make_per_engine(self._gauge_cls(
-            name="vllm:agentkv_kv_held_blocks", labelnames=labelnames, multiprocess_mode="mostrecent",
-            documentation="KV block references agentkv's connector holds for sessions' next turns"))
+        self._counters = {name: self.make_per_engine(self._counter_cls(
+            name=f"vllm:agentkv_kv_{name}", labelnames=labelnames, documentation=_HELP[name])) for name in COUNTERS}
+        self._gauges = {name: self.make_per_engine(self._gauge_cls(
+            name=f"vllm:agentkv_kv_{name}", labelnames=labelnames, multiprocess_mode="mostrecent",
+            documentation=_HELP[name])) for name in GAUGES}
         for values in per_engine_labelvalues.values():   # every reason shows, zero or not
             for reason in FALLBACKS:
                 self._fallbacks.labels(*values, reason)
@@ -82,5 +110,9 @@ class AgentKVPromMetrics(KVConnectorPromMetrics):
             self._fallbacks.labels(*values, reason).inc(n)
         if transfer_stats_data.get("reused_tokens"):
             self._reused[engine_idx].inc(transfer_stats_data["reused_tokens"])
-        if "held_blocks" in transfer_stats_data:
-            self._held[engine_idx].set(transfer_stats_data["held_blocks"])
+        for name in COUNTERS:
+            if transfer_stats_data.get(name):
+                self._counters[name][engine_idx].inc(transfer_stats_data[name])
+        for name in GAUGES:
+            if name in transfer_stats_data:
+                self._gauges[name][engine_idx].set(transfer_stats_data[name])

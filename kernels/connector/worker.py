@@ -1,10 +1,12 @@
 """Worker side of the connector: move tokens between blocks of vLLM's own KV tensors.
 
 Each worker (one per tensor-parallel rank) holds views of the KV tensors vLLM registered — its own
-shard of the heads — and nothing else: no K/V of its own. A load copies every run's tokens from
-held blocks into the new request's blocks, layer by layer, rotating keys by the run's position
-delta (``move_tokens``). Sources are blocks the scheduler side holds; destinations are blocks vLLM
-just allocated for the request; the two never overlap. Also here: whether this engine's model and
+shard of the heads — and, once the scheduler side spills, the host tier's tensors (``HostStore``:
+the same layout, in host memory, pinned beside a GPU). A step first runs its spills (copies of
+held blocks vLLM handed out in that step, into host blocks), then its loads: every run's tokens
+from held blocks, in the pool or in the host tier, into the new request's blocks, layer by layer,
+rotating keys by the run's position delta (``move_tokens``). Destinations are blocks vLLM just
+allocated for the request; sources never overlap them. Also here: whether this engine's model and
 KV layout can be shifted at all (asked by both sides from the config alone).
 """
 
@@ -12,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 from agentkv.kernels.evict import move_tokens
-from agentkv.kernels.layout import PagedKV, slots_of
+from agentkv.kernels.layout import PagedKV, block_dim, slots_of
 from agentkv.kernels.rope import RopeParams, UnsupportedShift
 
 log = logging.getLogger("vllm.agentkv_connector")   # in the engine process, under vLLM's log handlers
@@ -27,12 +30,17 @@ FAULT_ENV = "AGENTKV_FAULT_KV_LOAD"   # tests: "1" makes every load fail (vLLM t
 @dataclass(frozen=True)
 class LoadSpec:
     """One request's load: runs ``(source, src_start, dst_start, length)`` from ``sources[source]``
-    (block tables of held prompts) into ``dst_blocks`` (the request's own block table)."""
+    (block tables of held prompts: in vLLM's pool, or in the host tier where ``on_host[source]``)
+    into ``dst_blocks`` (the request's own block table)."""
 
     req_id: str
     dst_blocks: list[int]
     sources: list[list[int]]
     runs: list[tuple[int, int, int, int]]
+    on_host: list[bool] = field(default_factory=list)
+
+    def from_host(self, source: int) -> bool:
+        return source < len(self.on_host) and self.on_host[source]
 
     def dst_block_ids(self, block_size: int) -> set[int]:
         """The request's blocks this load writes (reported as failed if it cannot)."""
@@ -86,6 +94,55 @@ def geometry_problem(caches: dict[str, PagedKV], block_size: int, rope: RopePara
     return None
 
 
+class HostStore:
+    """The host tier's K/V on one worker: per layer, a tensor laid out like vLLM's with ``blocks``
+    blocks, in host memory (pinned when vLLM's is on a GPU). Allocated at the first spill."""
+
+    def __init__(self, blocks: int, layers: dict[str, torch.Tensor]):
+        pin = any(t.is_cuda for t in layers.values()) and torch.cuda.is_available()
+        self.raw: dict[str, torch.Tensor] = {}
+        for name, t in layers.items():
+            shape = list(t.shape)
+            shape[block_dim(t)] = blocks
+            self.raw[name] = torch.empty(shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+        self.caches = {name: PagedKV.from_vllm(t) for name, t in self.raw.items()}
+        self.blocks = blocks
+        log.info("agentkv connector: host tier of %d blocks allocated (%.2f GiB%s)", blocks,
+                 sum(t.numel() * t.element_size() for t in self.raw.values()) / 2**30, ", pinned" if pin else "")
+
+    def spill(self, layers: dict[str, torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks into host blocks, ``(device block, host block)`` each, every layer."""
+        dev = torch.tensor([d for d, _ in pairs], dtype=torch.int64)
+        host = torch.tensor([h for _, h in pairs], dtype=torch.int64)
+        for name, t in layers.items():
+            dim = block_dim(t)
+            self.raw[name].index_copy_(dim, host, t.index_select(dim, dev.to(t.device)).to("cpu"))
+
+    def source(self, name: str, device: torch.device, blocks: list[int]) -> tuple[PagedKV, list[int]]:
+        """Layer ``name``'s host K/V readable on ``device``, and ``blocks`` as addressed there: the
+        host tensor itself when it is on that device, else those blocks staged there in order."""
+        host = self.raw[name]
+        if device == host.device:
+            return self.caches[name], blocks
+        dim = block_dim(host)
+        staged = host.index_select(dim, torch.tensor(blocks, dtype=torch.int64)).to(device, non_blocking=True)
+        return PagedKV.from_vllm(staged), list(range(len(blocks)))
+
+
+@dataclass
+class RestoreStats:
+    """What the worker measured of restores (loads reading the host tier) since the last report."""
+
+    restores: int = 0
+    restore_bytes: int = 0
+    restore_seconds: float = 0.0
+
+    def take(self) -> dict[str, float]:
+        out = {"restores": self.restores, "restore_bytes": self.restore_bytes, "restore_seconds": self.restore_seconds}
+        self.restores, self.restore_bytes, self.restore_seconds = 0, 0, 0.0
+        return out
+
+
 class KVMover:
     """Called by the worker-side connector only, from the model runner's thread. ``block_size``:
     the scheduler's (what the block ids in a load count in)."""
@@ -93,6 +150,9 @@ class KVMover:
     def __init__(self, rope: RopeParams | None, block_size: int):
         self.rope, self.block_size = rope, block_size
         self.caches: dict[str, PagedKV] = {}
+        self.layers: dict[str, torch.Tensor] = {}
+        self.host: HostStore | None = None
+        self.restored = RestoreStats()
         self.problem: str | None = None
         self.fail_all = os.environ.get(FAULT_ENV) == "1"
 
@@ -102,15 +162,31 @@ class KVMover:
         (``problem``, which the scheduler side learns at start-up and reports as ``geometry``)."""
         try:
             self.caches = {name: PagedKV.from_vllm(t) for name, t in kv_caches.items()}
+            self.layers = dict(kv_caches)
             self.problem = geometry_problem(self.caches, self.block_size, self.rope)
         except ValueError as exc:
             self.caches, self.problem = {}, f"KV layout: {exc}"
         if self.problem:
             log.warning("agentkv connector: %s; moving disabled, every edit recomputes", self.problem)
-            self.caches = {}
+            self.caches, self.layers = {}, {}
         first = next(iter(kv_caches.items()), None)
         log.info("agentkv connector: %d KV layers on this worker, e.g. %s %s", len(kv_caches),
                  *((first[0], tuple(first[1].shape)) if first else ("-", ())))
+
+    def spill(self, pairs: list[tuple[int, int]], host_blocks: int) -> None:
+        """Copy held blocks vLLM handed out this step into the host tier (before this step's loads
+        and forward pass write them). A spill that cannot be made leaves the tier's copy wrong: the
+        tier is dropped (its next reads fail, and vLLM recomputes those)."""
+        if not pairs or not self.layers:
+            return
+        try:
+            if self.host is None or self.host.blocks != host_blocks:
+                self.host = HostStore(host_blocks, self.layers)
+            self.host.spill(self.layers, pairs)
+        except (RuntimeError, ValueError, IndexError) as exc:
+            log.warning("agentkv connector: spilling %d blocks to the host tier failed (%s); its reads recompute",
+                        len(pairs), exc)
+            self.host = None
 
     def load(self, loads: list[LoadSpec]) -> set[int]:
         """Run the loads before the forward pass; returns the block ids of loads that failed."""
@@ -127,20 +203,46 @@ class KVMover:
         return failed
 
     def _move(self, spec: LoadSpec, rope: RopeParams) -> None:
-        by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        for cache in self.caches.values():   # every layer's blocks are the scheduler's (``register``)
-            device = cache.key.device
-            if device not in by_device:
-                by_device[device] = self._slots(spec, self.block_size, device)
-            src, dst, deltas = by_device[device]
-            move_tokens(cache, cache, src, dst, deltas, rope)
+        pooled = [r for r in spec.runs if not spec.from_host(r[0])]
+        hosted = [r for r in spec.runs if spec.from_host(r[0])]
+        if hosted and self.host is None:
+            raise RuntimeError("the host tier holds nothing on this worker (an engine restart, or a failed spill)")
+        if pooled:
+            by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+            for cache in self.caches.values():   # every layer's blocks are the scheduler's (``register``)
+                device = cache.key.device
+                if device not in by_device:
+                    by_device[device] = self._slots(spec.sources, pooled, spec.dst_blocks, self.block_size, device)
+                move_tokens(cache, cache, *by_device[device], rope)
+        if hosted:
+            self._restore(spec, hosted, rope)
+
+    def _restore(self, spec: LoadSpec, runs: list[tuple[int, int, int, int]], rope: RopeParams) -> None:
+        """The runs whose source is in the host tier, into vLLM's blocks (staged on the device
+        first where vLLM's are on another one), timed."""
+        assert self.host is not None
+        bs = self.block_size
+        used = sorted({spec.sources[src][b] for src, a, _, n in runs for b in range(a // bs, (a + n - 1) // bs + 1)})
+        started = time.perf_counter()
+        for name, cache in self.caches.items():
+            host, staged = self.host.source(name, cache.key.device, used)
+            where = dict(zip(used, staged, strict=True))
+            sources = [[where.get(b, -1) for b in table] for table in spec.sources]
+            move_tokens(host, cache, *self._slots(sources, runs, spec.dst_blocks, bs, cache.key.device), rope)
+        if any(c.key.is_cuda for c in self.caches.values()):
+            torch.cuda.synchronize()
+        self.restored.restores += 1
+        self.restored.restore_seconds += time.perf_counter() - started
+        self.restored.restore_bytes += sum(r[3] for r in runs) * sum(
+            2 * c.num_kv_heads * c.head_dim * c.key.element_size() for c in self.caches.values())
 
     @staticmethod
-    def _slots(spec: LoadSpec, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _slots(sources: list[list[int]], runs: list[tuple[int, int, int, int]], dst_blocks: list[int],
+               block_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         src, dst, deltas = [], [], []
-        dst_table = torch.tensor(spec.dst_blocks, dtype=torch.int64)
-        for source, a, d, n in spec.runs:
-            table = torch.tensor(spec.sources[source], dtype=torch.int64)
+        dst_table = torch.tensor(dst_blocks, dtype=torch.int64)
+        for source, a, d, n in runs:
+            table = torch.tensor(sources[source], dtype=torch.int64)
             src.append(slots_of(torch.arange(a, a + n), table, block_size))
             dst.append(slots_of(torch.arange(d, d + n), dst_table, block_size))
             deltas.append(torch.full((n,), d - a, dtype=torch.int64))

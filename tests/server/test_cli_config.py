@@ -61,6 +61,8 @@ def test_environment_sets_fields_and_flags_win(monkeypatch):
     (["--engine-reserved-cores", "-1"], "--engine-reserved-cores"),
     (["--clear-at", "0.3", "--clear-to", "0.4"], "clear_to (0.4) must be below clear_at (0.3)"),
     (["--engine-arg=--api-key=mine"], "--engine-arg: Value error, the engine's key is agentkv's own"),
+    (["--kv-offload-gib", "-1"], "--kv-offload-gib"),
+    (["--kv-reuse", "shift", "--kv-offload-gib", "100000"], "kv_offload_gib: 100000 GiB of host memory per worker"),
 ])
 def test_bad_flags_exit_2_with_a_message(args, needle, tmp_path):
     r = subprocess.run([sys.executable, "-m", "agentkv.server.cli", "serve", *args], capture_output=True,
@@ -97,6 +99,27 @@ def test_the_engine_reserves_the_same_cores_whatever_the_kv_mode(monkeypatch):
     eng = EngineProcess(ServeConfig(engine_reserved_cores=1, kv_reuse="shift"), "/m", "cpu")
     assert eng.env()["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
     eng.stop()
+
+
+def test_the_host_tier_reaches_the_connector_sized_from_free_memory_by_default():
+    """--kv-offload-gib goes to the connector's config in bytes; by default a quarter of the free
+    memory, at most 8 GiB, split over the workers; 0 turns it off."""
+    import json
+
+    from agentkv.server.config import mem_available_gib
+
+    def offload(cfg: ServeConfig) -> int:
+        eng = EngineProcess(cfg, "/m", "cpu")
+        argv = eng.argv()
+        eng.stop()
+        return json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]["offload_bytes"]
+
+    assert offload(ServeConfig(kv_reuse="shift", kv_offload_gib=0.5)) == 2**29
+    assert offload(ServeConfig(kv_reuse="shift", kv_offload_gib=0)) == 0
+    default = offload(ServeConfig(kv_reuse="shift")) / 2**30
+    assert 0 < default <= min(8, mem_available_gib() / 4 * 1.05)
+    halved = offload(ServeConfig(kv_reuse="blend", tensor_parallel_size=2)) / 2**30
+    assert halved <= min(8, mem_available_gib() / 8 * 1.05)
 
 
 def test_engine_argv_cuda_defaults():

@@ -62,9 +62,16 @@ def test_budget_releases_the_oldest_which_stays_readable_until_handed_out(pool):
 
 
 def test_too_big_for_the_budget_and_zero_budget(pool):
-    assert HeldBlocks(pool, BS, budget=2, ttl_s=60).hold("s", PROMPT, list(range(12)), finished_request(pool, 12)) \
-        == "evicted"
-    assert HeldBlocks(pool, BS, budget=0, ttl_s=60).hold("s", PROMPT, [1], finished_request(pool, 1)) == "no_budget"
+    assert HeldBlocks(pool, BS, budget=0, ttl_s=60).hold("z", PROMPT, [1], finished_request(pool, 1)) == "no_budget"
+    lost = []
+    held = HeldBlocks(pool, BS, budget=2, ttl_s=60, on_lost=lost.append)
+    ids = finished_request(pool, 12)
+    assert held.hold("s", PROMPT, list(range(12)), ids) is None        # released at once: readable, not pinned
+    free(pool, ids)
+    entry = held.get("s", PROMPT)
+    assert entry is not None and not entry.pinned and held.held_blocks == 0
+    pool.get_new_blocks(pool.get_num_free_blocks())                     # handed out: gone, and the hook hears it
+    assert held.get("s", PROMPT) is None and held.missing_reason("s") == "evicted" and lost == [entry]
 
 
 def test_ttl_pressure_and_pinning_again(pool):

@@ -108,3 +108,70 @@ def test_a_session_of_clears_moves_held_blocks_and_keeps_no_kv_of_its_own(llm):
     pool = scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1          # every block back (but the null block)
 
+
+
+def _worker_host_tier(worker, drop: bool = False):
+    """The worker's host tier: its size in blocks (None: none); ``drop`` forgets it (as a restart would)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    mover = get_kv_transfer_group().mover
+    blocks = None if mover.host is None else mover.host.blocks
+    if drop:
+        mover.host = None
+    return blocks
+
+
+def _spill_a_session(engine, renderer, session: str):
+    """Hold a session's prompt, then have vLLM take its blocks back (every free block handed out,
+    then freed again unwritten): the scheduler side spills it to the host tier."""
+    sched = engine.llm_engine.engine_core.engine_core.scheduler
+    reuse, pool = sched.connector.scheduler, sched.kv_cache_manager.block_pool
+    msgs = [{"role": "system", "content": "agent"}, {"role": "user", "content": "run the checks"}]
+    msgs += turn(0) + turn(1) + turn(2)
+    ids = renderer.render(msgs).token_ids
+    generate(engine, ids, {"session": session}, session)
+    entry = reuse.held.get(session, "prompt")
+    reuse.held.release_all("test")
+    taken = pool.get_new_blocks(pool.get_num_free_blocks())
+    assert reuse.held.get(session, "prompt") is None and reuse.host.get(session, "prompt") is entry
+    assert entry.host_blocks and set(zip(entry.block_ids, entry.host_blocks)) <= set(reuse.host.spills)   # next step
+    pool.free_blocks(reversed(taken))
+    msgs = msgs + turn(3)
+    r = clear_tool_uses(msgs, renderer, ClearToolUses(trigger=0, keep=2))
+    prime = r.old_ids[:r.edits[0].start] + [t for e in r.edits for t in e.replacement_ids]
+    generate(engine, prime, {"session": session, "prime": True}, session)     # the prime stays in the pool
+    spans = [[e.start, e.end, len(e.replacement_ids)] for e in r.edits]
+    return r.new_ids, {"session": session, "spans": spans, "held": [len(ids), prompt_hash(ids)]}
+
+
+def test_held_blocks_vllm_takes_back_are_restored_from_the_host_tier(llm):
+    from agentkv.kernels.connector.host_tier import HostTier
+
+    engine, renderer = llm
+    reuse = engine.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+    bs = reuse.block_size
+    reuse.host = HostTier(32)
+    try:
+        new_ids, edit = _spill_a_session(engine, renderer, "h1")
+        got, _, report = generate(engine, new_ids, edit, "h1")
+        want, _, _ = generate(engine, new_ids, None, "ref-h1")
+        assert report["agentkv"]["fallback"] is None and report["agentkv"]["reused_tokens"] >= 2 * bs, report
+        assert max(got, key=got.get) == max(want, key=want.get)                # read from the host tier, right
+        for tok in set(got) & set(want):
+            assert abs(got[tok] - want[tok]) < 2e-3
+        assert reuse.host.get("h1", "prompt") is None and reuse.host.used == 0  # read: given back
+        assert engine.collective_rpc(_worker_host_tier) == [32]
+
+        # the worker's copy lost (a restart of the workers, a failed spill): the load fails, vLLM recomputes
+        new_ids, edit = _spill_a_session(engine, renderer, "h2")
+        generate(engine, new_ids[:8], None, "step")                            # a step that runs the spill
+        engine.collective_rpc(_worker_host_tier, kwargs={"drop": True})
+        got, _, report = generate(engine, new_ids, edit, "h2")
+        want, _, _ = generate(engine, new_ids, None, "ref-h2")
+        assert report["agentkv"] == {"reused_tokens": 0, "fallback": "load_failed"}, report
+        assert max(got, key=got.get) == max(want, key=want.get)
+        for tok in set(got) & set(want):
+            assert abs(got[tok] - want[tok]) < 2e-3
+    finally:
+        reuse.host = None
+        engine.collective_rpc(_worker_host_tier, kwargs={"drop": True})

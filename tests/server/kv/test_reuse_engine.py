@@ -4,7 +4,7 @@ With the 1-layer embedded model, ``shift`` must give the next-token logprobs of 
 (layer-0 K/V are position-shift exact) while really reusing (more cached tokens), with prompts
 prefilled in chunks (a step budget of 512 tokens, prompts of ~1,700). Every way reuse can fail
 falls back to recompute: HTTP 200, recompute's logprobs, the reason in the edit's report and in
-the engine's counters."""
+the engine's counters. Held blocks the pool takes back come back from the host tier."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ CLEAR = {"edits": [{"type": "clear_tool_uses", "trigger": 0, "keep": 1}]}
 NONE = {"edits": []}
 STEP_TOKENS = 512
 POOL_BLOCKS = 80          # 128-token blocks: the 8k window plus a little, so one request can need the held ones
+OFFLOAD_GIB = "0.004"     # the host tier: 64 blocks of this model's 64 KiB (1 layer, 2 heads x 32, float32)
 
 
 def tiny_1l(home: Path) -> Path:
@@ -34,6 +35,7 @@ def shift_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("kv-home")
     srv = start_server(home, "--model", str(tiny_1l(home)), "--served-model-name", "agentkv-tiny",
                        "--kv-reuse", "shift", "--max-model-len", "8192", "--kv-hold-fraction", "0.4",
+                       "--kv-offload-gib", OFFLOAD_GIB,
                        f"--engine-arg=--max-num-batched-tokens={STEP_TOKENS}",
                        f"--engine-arg=--num-gpu-blocks-override={POOL_BLOCKS}")
     yield srv
@@ -220,17 +222,38 @@ def test_a_held_prompt_that_is_not_the_last_one_sent_supplies_only_the_prefix_th
     same_logprobs(body, recomputed(shift_server, later[:-1], later))
 
 
-def test_evicted_when_the_pool_needs_the_held_blocks(shift_server):
-    def fill_the_pool(held):
-        big = [{"role": "user", "content": "ok " * 3900}]                # ~7,800 tokens
-        r = shift_server.http().post("/v1/chat/completions", json={
-            "model": "agentkv-tiny", "messages": big, "max_tokens": 1, "cache_salt": uuid.uuid4().hex,
-            "context_management": NONE})
-        assert r.status_code == 200, r.text
-        blocks = -(-held["usage"]["prompt_tokens"] // 128)
-        assert r.json()["usage"]["prompt_tokens"] > (POOL_BLOCKS - 1 - blocks) * 128   # more than the free blocks
+def fill_the_pool(server, held: dict) -> None:
+    """A request of another key that needs more blocks than are free: the held ones go to it. It is
+    not held itself (``recompute``): held, it would be spilled too, and fill the small host tier."""
+    big = [{"role": "user", "content": "ok " * 3900}]                # ~7,800 tokens
+    r = server.http().post("/v1/chat/completions", json={
+        "model": "agentkv-tiny", "messages": big, "max_tokens": 1, "cache_salt": uuid.uuid4().hex,
+        "context_management": NONE, "kv_reuse": "recompute"})
+    assert r.status_code == 200, r.text
+    blocks = -(-held["usage"]["prompt_tokens"] // 128)
+    assert r.json()["usage"]["prompt_tokens"] > (POOL_BLOCKS - 1 - blocks) * 128   # more than the free blocks
 
-    fallback(shift_server, "evicted", conversation(), conversation() + LATER, between=fill_the_pool)
+
+def test_held_blocks_the_pool_takes_back_are_restored_from_the_host_tier(shift_server):
+    """The pool hands the held blocks to another request: they were spilled to the host tier on the
+    way, and the session's next clear moves them back (recompute's logprobs), counted."""
+    names = ("spilled_blocks", "restored_blocks", "restores", "restore_bytes")
+    before = {n: metric(shift_server, f"vllm:agentkv_kv_{n}_total") for n in names}
+    msgs, later = conversation(), conversation() + LATER
+    sid = f"t-{uuid.uuid4().hex[:8]}"
+    held = ask(shift_server, msgs, sid, NONE, "shift")
+    fill_the_pool(shift_server, held)
+    body = ask(shift_server, later, sid, CLEAR, "shift")
+    report = kv_report(body)
+    assert report["fallback"] is None and report["reused_tokens"] >= 128, report
+    same_logprobs(body, recomputed(shift_server, msgs, later))
+    blocks = -(-held["usage"]["prompt_tokens"] // 128)
+    assert wait_metric(shift_server, "vllm:agentkv_kv_spilled_blocks_total", before["spilled_blocks"] + blocks) \
+        >= before["spilled_blocks"] + blocks
+    assert wait_metric(shift_server, "vllm:agentkv_kv_restores_total", before["restores"] + 1) >= before["restores"] + 1
+    restored = metric(shift_server, "vllm:agentkv_kv_restored_blocks_total") - before["restored_blocks"]
+    assert 1 <= restored <= blocks
+    assert metric(shift_server, "vllm:agentkv_kv_restore_bytes_total") > before["restore_bytes"]
 
 
 def test_streamed_shift_is_reused_and_counted(shift_server):

@@ -1,0 +1,110 @@
+"""Scheduler side of the host tier: held prompts whose blocks vLLM took back, kept in host memory.
+
+A held entry whose block is handed out (``held_blocks.HeldBlocks.on_lost``) is *spilled*: it gets
+host blocks here, and a copy of its device blocks into them is queued for the current step
+(``take_spills``). The worker runs a step's spills before its loads and before its forward pass,
+and the blocks were handed out in that same step, so what is copied is still what the entry held.
+The session's next turn reads the entry from here (the worker's loads take a host source) exactly
+as it would from the pool: same key, same identity check, same kernel.
+
+Bounds: ``capacity`` host blocks (``--kv-offload-gib`` over the bytes of one block on one worker).
+A spill that does not fit drops the least recently spilled entries, never one a planned load reads
+(``protect``); an entry larger than the tier, or with nothing left to drop, is dropped itself. An
+entry goes when read (the session holds its new prompt) or superseded, like a held one. Everything
+lives in the engine's processes: an engine restart starts empty, and the next turn recomputes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .held_blocks import PRIME, PROMPT, HeldEntry
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("vllm.agentkv_connector")   # in the engine process, under vLLM's log handlers
+COUNTS = ("spilled_blocks", "restored_blocks", "dropped_blocks")
+
+
+def block_bytes(kv_cache_config: KVCacheConfig | None) -> int:
+    """Bytes of one KV block on one worker, every layer (0 when the config does not say)."""
+    if kv_cache_config is None or not kv_cache_config.num_blocks:
+        return 0
+    return sum(t.size for t in kv_cache_config.kv_cache_tensors) // kv_cache_config.num_blocks
+
+
+@dataclass
+class HostTier:
+    """Spilled entries by (session, kind), least recently spilled first."""
+
+    capacity: int
+    entries: OrderedDict[tuple[str, str], HeldEntry] = field(default_factory=OrderedDict)
+    spills: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block), this step
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))   # since the last report
+    _free: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._free = list(range(self.capacity - 1, -1, -1))
+
+    @property
+    def used(self) -> int:
+        return self.capacity - len(self._free)
+
+    def spill(self, entry: HeldEntry, protect: frozenset[int] = frozenset()) -> bool:
+        """Give ``entry`` (just lost from the pool, its blocks intact until this step's forward
+        pass) host blocks and queue the copy. False when it cannot be kept (counted as dropped)."""
+        self.drop(entry.session, entry.kind)
+        n = len(entry.blocks)
+        others = [e for e in self.entries.values() if id(e) not in protect]
+        if 0 < n <= len(self._free) + sum(len(e.blocks) for e in others):   # else nothing is dropped for it
+            for old in others:
+                if len(self._free) >= n:
+                    break
+                self._drop(old, "room")
+        if n == 0 or len(self._free) < n:
+            self.counts["dropped_blocks"] += n
+            log.debug("agentkv connector: %s/%s (%d blocks) not spilled: the host tier has %d free of %d",
+                      entry.session[:8], entry.kind, n, len(self._free), self.capacity)
+            return False
+        entry.host_blocks = [self._free.pop() for _ in range(n)]
+        self.spills += zip(entry.block_ids, entry.host_blocks, strict=True)
+        self.entries[(entry.session, entry.kind)] = entry
+        self.counts["spilled_blocks"] += n
+        return True
+
+    def get(self, session: str, kind: str) -> HeldEntry | None:
+        return self.entries.get((session, kind))
+
+    def drop(self, session: str, kind: str | None = None) -> None:
+        """Forget the session's entries (of ``kind``, or all): read, or superseded."""
+        for k in ([kind] if kind else [PROMPT, PRIME]):
+            e = self.entries.get((session, k))
+            if e is not None:
+                self._drop(e, None)
+
+    def take_spills(self) -> list[tuple[int, int]]:
+        """The copies queued since the last step's metadata, for this one."""
+        spills, self.spills = self.spills, []
+        return spills
+
+    def take_counts(self) -> dict[str, int]:
+        """Blocks spilled, restored (read by a load) and dropped since the last call."""
+        counts, self.counts = self.counts, dict.fromkeys(COUNTS, 0)
+        return counts
+
+    def clear(self) -> None:
+        for e in list(self.entries.values()):
+            self._drop(e, None)
+        self.spills.clear()
+
+    def _drop(self, e: HeldEntry, why: str | None) -> None:
+        del self.entries[(e.session, e.kind)]
+        blocks, e.host_blocks = e.host_blocks or [], None
+        self._free.extend(reversed(blocks))
+        if why is not None:
+            self.counts["dropped_blocks"] += len(blocks)
+            log.debug("agentkv connector: %s/%s dropped from the host tier (%s)", e.session[:8], e.kind, why)
