@@ -53,3 +53,58 @@ def apply_edits(token_ids: list[int], edits: list[PromptEdit]) -> list[int]:
         out += token_ids[pos:e.start] + list(e.replacement_ids)
         pos = e.end
     return out + token_ids[pos:]
+
+
+def span_edit(old_ids: list[int], new_ids: list[int], message_index: int, kind: str) -> list[PromptEdit]:
+    """``old_ids`` -> ``new_ids`` as one span: what lies between their common prefix and suffix."""
+    lcp = 0
+    while lcp < min(len(old_ids), len(new_ids)) and old_ids[lcp] == new_ids[lcp]:
+        lcp += 1
+    lcs = 0
+    while lcs < min(len(old_ids), len(new_ids)) - lcp and old_ids[-1 - lcs] == new_ids[-1 - lcs]:
+        lcs += 1
+    if lcp == len(old_ids) == len(new_ids):
+        return []
+    return [PromptEdit(message_index, kind, lcp, len(old_ids) - lcs, tuple(new_ids[lcp:len(new_ids) - lcs]))]
+
+
+def _kept(edits: list[PromptEdit], length: int) -> list[tuple[int, int, int]]:
+    """``(old_start, new_start, n)``: the runs of a prompt of ``length`` tokens the edits keep, and
+    where they land."""
+    out, pos, shift = [], 0, 0
+    for e in sorted(edits, key=lambda e: e.start):
+        if e.start > pos:
+            out.append((pos, pos + shift, e.start - pos))
+        shift += len(e.replacement_ids) - (e.end - e.start)
+        pos = e.end
+    if length > pos:
+        out.append((pos, pos + shift, length - pos))
+    return out
+
+
+def compose(first: list[PromptEdit], old_ids: list[int], second: list[PromptEdit], mid_ids: list[int],
+            new_ids: list[int]) -> list[PromptEdit]:
+    """Edits of ``old_ids`` giving ``new_ids``, from ``first`` (``old_ids`` -> ``mid_ids``) then
+    ``second`` (``mid_ids`` -> ``new_ids``): a token of ``old_ids`` is kept where both keep it, and
+    each gap between kept runs is one edit (what ``second`` replaced inside or across ``first``'s
+    spans is absorbed into it). Checked: when the result does not give ``new_ids``, one span."""
+    kept_mid = []                                          # (old, mid, n): old tokens mid still has
+    for o, m, n in _kept(first, len(old_ids)):
+        kept_mid.append((o, m, n))
+    kept = []                                              # (old, new, n): ... new still has too
+    for m2, n2, k2 in _kept(second, len(mid_ids)):         # runs of mid that second keeps
+        for o, m, n in kept_mid:
+            lo, hi = max(m, m2), min(m + n, m2 + k2)
+            if lo < hi:
+                kept.append((o + lo - m, n2 + lo - m2, hi - lo))
+    out: list[PromptEdit] = []
+    prev_old = prev_new = 0
+    kind = "+".join(dict.fromkeys(e.kind for e in sorted(first + second, key=lambda e: e.start)))
+    index = min((e.message_index for e in first + second), default=0)
+    for o, n, k in kept + [(len(old_ids), len(new_ids), 0)]:
+        if o > prev_old or n > prev_new:
+            out.append(PromptEdit(index, kind, prev_old, o, tuple(new_ids[prev_new:n])))
+        prev_old, prev_new = o + k, n + k
+    if apply_edits(old_ids, out) != new_ids:   # pragma: no cover - kept runs are monotone in both
+        return span_edit(old_ids, new_ids, index, kind)
+    return out

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from agentkv.compaction.edits import span_edit
 from agentkv.compaction.prompt import Message
 from agentkv.compaction.summarize import SummaryPending, summarize
 
@@ -26,6 +27,7 @@ class Compact(EditKind):
     (``keep_recent_tokens`` defaults to 0), ``trigger`` is at least 50,000; the response carries a
     ``compaction`` block, and with ``pause_after_compaction`` it stops there (no generation)."""
 
+    kv_report = True   # the summary is one span of the prompt: with shift, the kept tail's K/V move
     type: Literal["compact", "compact_20260112"] = "compact"
     trigger: int = Field(150_000, ge=0, description="input tokens at which summarization runs")
     pause_after_compaction: bool = Field(False, description="answer with the compaction alone")
@@ -85,7 +87,10 @@ class Compact(EditKind):
             return None
         head = next(i for i, m in enumerate(r.messages) if m is not view[i])
         cut = len(view) - (len(r.messages) - head - 1)
+        # the summarized messages -> the summary: one span, so the kept tail's K/V can move (shift)
+        old_ids = step.renderer.render(view, step.tools).token_ids
+        kv_edits = span_edit(old_ids, step.renderer.render(r.messages, step.tools).token_ids, head, "summary")
         return Applied(r.messages, {"type": self.type, "summarized_messages": r.summarized_messages,
                                     "summary_tokens": r.summary_tokens,
                                     "cleared_input_tokens": r.tokens_before - r.tokens_after},
-                       summary=(head, cut), kv_edits=[])   # a summary rewrites the prompt from `head` on
+                       summary=(head, cut), kv_edits=kv_edits, old_ids=old_ids)

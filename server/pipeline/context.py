@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentkv.compaction.edit_kinds import EditKind, EditStep, Failed
-from agentkv.compaction.edits import PromptEdit
+from agentkv.compaction.edits import PromptEdit, compose
 from agentkv.compaction.policy import ContextManagement, default_policy, with_defaults
 from agentkv.compaction.prompt import Message, PromptRenderer, one_step
 from agentkv.compaction.prompt_segments import SegmentCache
@@ -153,7 +153,13 @@ class ContextManager:
                 run.where = where[:head + 1] + where[cut:]
                 run.summary, run.compact_edit = out.messages[head], edit
             if out.kv_edits is not None:
-                run.kv_edits, run.old_ids = ([], []) if tokens_moved else (out.kv_edits, out.old_ids)
+                if tokens_moved or not out.kv_edits:
+                    run.kv_edits, run.old_ids = [], []
+                elif run.kv_edits:   # an earlier edit of this step: both, as edits of the prompt before it
+                    new_ids = renderer.render(out.messages, tools).token_ids
+                    run.kv_edits = compose(run.kv_edits, run.old_ids, out.kv_edits, out.old_ids, new_ids)
+                else:
+                    run.kv_edits, run.old_ids = out.kv_edits, out.old_ids
             tokens_moved = tokens_moved or out.moves_tokens
             run.view = out.messages
             run.applied.append(out.report)

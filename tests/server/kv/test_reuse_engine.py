@@ -376,3 +376,17 @@ def test_anthropic_messages_reuse_kv_with_the_servers_default_mode(shift_server)
     assert edit["type"] == "clear_tool_uses_20250919" and edit["cleared_tool_uses"] == 2
     assert edit["kv"]["mode"] == "shift" and edit["kv"]["fallback"] is None and edit["kv"]["reused_tokens"] > 0, edit
     assert body["usage"]["cache_read_input_tokens"] >= edit["kv"]["reused_tokens"]
+
+
+def test_a_summary_moves_the_kept_tails_kv_too(shift_server):
+    """A summary replaces the oldest messages by one: one span of the prompt, so with shift the kept
+    tail's K/V move like a clear's (before, a summary recomputed everything after it in every mode)."""
+    msgs = conversation(lines=60)
+    sid = f"s-{uuid.uuid4().hex[:8]}"
+    ask(shift_server, msgs, sid, NONE, "shift")                                    # held
+    compact = {"edits": [{"type": "compact", "trigger": 0, "keep_recent_tokens": 1000, "summary_max_tokens": 24}]}
+    body = ask(shift_server, msgs + LATER, sid, compact, "shift")
+    (edit,) = body["context_management"]["applied_edits"]
+    assert edit["type"] == "compact" and 3 <= edit["summarized_messages"] <= 5, edit
+    assert edit["kv"]["mode"] == "shift" and edit["kv"]["fallback"] is None and edit["kv"]["reused_tokens"] >= 512, edit
+    assert cached(body) >= edit["kv"]["reused_tokens"]

@@ -161,3 +161,30 @@ def test_a_keys_context_step_does_the_same_work_whatever_another_key_sent(render
     assert step(ctx, "A", msgs) == cold > 0
     assert step(ctx, "B", msgs) == cold          # A's traffic changed nothing of B's path
     assert step(ctx, "A", msgs) < cold           # A's own caches serve A
+
+
+def test_a_summary_is_an_edit_the_kv_connector_can_move_with_the_clears_of_its_step(renderer, tmp_path):
+    """A summary replaces messages [head, cut) by one: one span of the prompt, so with shift the kept
+    tail's K/V move instead of being recomputed. Made in the step that also cleared, both are edits
+    of the prompt before the step: clears inside the summarized part are absorbed, later ones stay."""
+    from agentkv.compaction.config import ClearToolUses
+    from agentkv.compaction.edits import apply_edits
+
+    ctx = ContextManager(Sessions(open_session_log(tmp_path / "log.db")), renderer, Note())
+    msgs = conversation("agent e", 3_000)
+    for policy in (ContextManagement(edits=[Compact(trigger=10, keep_recent_tokens=600)]),
+                   ContextManagement(edits=[ClearToolUses(trigger=0, keep=1), Compact(trigger=10,
+                                                                                      keep_recent_tokens=900)])):
+        prepared = asyncio.run(manage(ctx, NO_DEFAULT, 8192, "o", SessionRef(f"e{len(policy.edits)}"), msgs, None,
+                                      policy, salt="s", shifting=True))
+        types = [e["type"] for e in prepared.report["applied_edits"]]
+        assert types[-1] == "compact" and prepared.compaction is not None, types
+        final = renderer.render(prepared.messages).token_ids
+        assert prepared.edits and prepared.moved
+        assert apply_edits(prepared.old_ids, prepared.edits) == final
+        assert prepared.old_ids == renderer.render(msgs).token_ids           # edits of the prompt the client sent
+        summary = prepared.edits[0]
+        assert final[summary.start:summary.start + len(summary.replacement_ids)] == list(summary.replacement_ids)
+        assert len(final) - (summary.start + len(summary.replacement_ids)) > 100   # a kept tail to move
+        if types == ["clear_tool_uses", "compact"]:
+            assert len(prepared.edits) >= 2                                  # the clears after the cut stay
