@@ -60,16 +60,17 @@ class PagedKV:
         return cls(key, value)
 
     @classmethod
-    def from_vllm(cls, kv_layer: torch.Tensor) -> PagedKV:
+    def from_vllm(cls, kv_layer: torch.Tensor, layout: str | None = None) -> PagedKV:
         """The layer tensor vLLM registers: 4-D is the CPU layout; 5-D with a leading 2 is
-        FlashAttention's ``[2, blocks, ...]``; 5-D with 2 second is ``[blocks, 2, ...]``."""
-        if kv_layer.dim() == 4:
+        FlashAttention's ``[2, blocks, ...]``; 5-D with 2 second is ``[blocks, 2, ...]``.
+        ``layout`` (``layout_of`` of the tensor vLLM registered) reads a tensor of the same layout
+        whose block count could be mistaken for the 2 (a copy of 2 blocks)."""
+        layout = layout or layout_of(kv_layer)
+        if layout == "cpu":
             return cls.from_cpu(kv_layer)
-        if kv_layer.dim() == 5 and kv_layer.shape[0] == 2:
+        if layout == "flash":
             return cls.from_flash(kv_layer)
-        if kv_layer.dim() == 5 and kv_layer.shape[1] == 2:
-            return cls(kv_layer[:, 0], kv_layer[:, 1])
-        raise ValueError(f"unknown KV cache layout {tuple(kv_layer.shape)}")
+        return cls(kv_layer[:, 0], kv_layer[:, 1])
 
     @classmethod
     def from_rows(cls, key: torch.Tensor, value: torch.Tensor) -> PagedKV:
@@ -77,10 +78,21 @@ class PagedKV:
         return cls(key.unsqueeze(1), value.unsqueeze(1))
 
 
-def block_dim(kv_layer: torch.Tensor) -> int:
-    """The dimension of a layer tensor vLLM registers that counts its blocks (``PagedKV.from_vllm``'s
-    layouts): 1 in FlashAttention's ``[2, blocks, ...]``, else 0."""
-    return 1 if kv_layer.dim() == 5 and kv_layer.shape[0] == 2 else 0
+def layout_of(kv_layer: torch.Tensor) -> str:
+    """Which of ``PagedKV.from_vllm``'s layouts a layer tensor vLLM registers has: ``cpu``,
+    ``flash`` (``[2, blocks, ...]``) or ``blocks_first`` (``[blocks, 2, ...]``)."""
+    if kv_layer.dim() == 4:
+        return "cpu"
+    if kv_layer.dim() == 5 and kv_layer.shape[0] == 2:
+        return "flash"
+    if kv_layer.dim() == 5 and kv_layer.shape[1] == 2:
+        return "blocks_first"
+    raise ValueError(f"unknown KV cache layout {tuple(kv_layer.shape)}")
+
+
+def block_dim(layout: str) -> int:
+    """The dimension that counts the blocks in a ``layout_of`` layout: 1 in FlashAttention's, else 0."""
+    return 1 if layout == "flash" else 0
 
 
 def slots_of(positions: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -40,16 +40,25 @@ SMALL_MACHINE_CORES = 4   # up to this many, every core computes (a reserved cor
 OFFLOAD_SHARE, OFFLOAD_MAX_GIB = 0.25, 8.0   # the host tier's default: this share of the free memory, at most
 
 
-def mem_available_gib() -> float:
-    """Host memory free for new allocations now (``MemAvailable`` of /proc/meminfo), in GiB."""
+def mem_available_gib() -> float | None:
+    """Host memory free for new allocations now, in GiB: ``MemAvailable`` of /proc/meminfo, or less
+    where this process's cgroup (v2) limit leaves less; None where neither can be read."""
+    free: float | None = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 2**20
+                    free = int(line.split()[1]) / 2**20
     except OSError:
         pass
-    return 0.0
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            left = (int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())) / 2**30
+            free = left if free is None else min(free, left)
+    except (OSError, ValueError):
+        pass
+    return free
 
 
 class ServeConfig(BaseModel):
@@ -169,7 +178,7 @@ class ServeConfig(BaseModel):
         if self.kv_offload_gib and self.kv_connector:
             workers = self.tensor_parallel_size * self.pipeline_parallel_size
             free = mem_available_gib()
-            if self.kv_offload_gib * workers > free:
+            if free is not None and self.kv_offload_gib * workers > free:
                 raise ValueError(f"kv_offload_gib: {self.kv_offload_gib:g} GiB of host memory per worker x {workers} "
                                  f"cannot be had: {free:.1f} GiB is free (lower it, or 0 for no host tier)")
         return self
@@ -178,9 +187,10 @@ class ServeConfig(BaseModel):
     def kv_offload_bytes(self) -> int:
         """The host tier's size per engine worker (0: none): ``kv_offload_gib``, or its default."""
         gib = self.kv_offload_gib
-        if gib is None:
-            gib = min(OFFLOAD_MAX_GIB, OFFLOAD_SHARE * mem_available_gib() / (self.tensor_parallel_size
-                                                                             * self.pipeline_parallel_size))
+        if gib is None:   # where the free memory cannot be read: a quarter of 1 GiB
+            free = mem_available_gib()
+            gib = min(OFFLOAD_MAX_GIB, OFFLOAD_SHARE * (1.0 if free is None else free)
+                      / (self.tensor_parallel_size * self.pipeline_parallel_size))
         return int(gib * 2**30)
 
     def cpu_env(self) -> dict[str, str]:

@@ -72,6 +72,7 @@ class HeldBlocks:
     ttl_s: float
     clock: Callable[[], float] = time.monotonic
     on_lost: Callable[[HeldEntry], None] | None = None   # an entry's block was just handed out
+    on_reset: Callable[[], None] | None = None           # vLLM reset its prefix cache
     entries: OrderedDict[tuple[str, str], HeldEntry] = field(default_factory=OrderedDict)
     evicted: OrderedDict[str, str] = field(default_factory=OrderedDict)   # sessions whose entry went
     _watched: dict[int, set[HeldEntry]] = field(default_factory=dict)     # block id -> released entries
@@ -176,14 +177,19 @@ class HeldBlocks:
                     del self._watched[b.block_id]
 
     def _handed_out(self, block: KVCacheBlock) -> None:
-        """BlockPool callback: a released block was given to another request (or the cache was reset)."""
+        """BlockPool callback: a released block was given to another request (or the cache was reset:
+        vLLM resets only when every block is free, which no hand-out leaves it; then nothing read so
+        far may be read again, not even from the host tier)."""
+        resetting = self.pool.get_num_free_blocks() == self.pool.num_gpu_blocks - 1
+        if resetting and self.on_reset is not None:
+            self.on_reset()
         for e in self._watched.pop(block.block_id, set()):
             e.valid = False
             self._unwatch(e)
             if self.entries.get((e.session, e.kind)) is e:
                 del self.entries[(e.session, e.kind)]
             self._mark_evicted(e.session)
-            if self.on_lost is not None:
+            if self.on_lost is not None and not resetting:
                 self.on_lost(e)
 
     def _mark_evicted(self, session: str) -> None:

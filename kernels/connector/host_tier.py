@@ -27,14 +27,24 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger("vllm.agentkv_connector")   # in the engine process, under vLLM's log handlers
-COUNTS = ("spilled_blocks", "restored_blocks", "dropped_blocks")
+COUNTS = ("spilled_blocks", "restored_blocks", "dropped_blocks", "restores")
 
 
-def block_bytes(kv_cache_config: KVCacheConfig | None) -> int:
-    """Bytes of one KV block on one worker, every layer (0 when the config does not say)."""
+def tier_blocks(kv_cache_config: KVCacheConfig | None, offload_bytes: int) -> tuple[int, str | None]:
+    """The host tier's size in blocks on one worker (both sides compute it from the same config),
+    and why there is none where ``offload_bytes`` asks for one. Off where a block handed out can be
+    written before the step's spill runs: vLLM zeroes new blocks (``needs_kv_cache_zeroing``), or
+    copies into them across several KV cache groups, before the connector's loads."""
+    if offload_bytes <= 0:
+        return 0, None
     if kv_cache_config is None or not kv_cache_config.num_blocks:
-        return 0
-    return sum(t.size for t in kv_cache_config.kv_cache_tensors) // kv_cache_config.num_blocks
+        return 0, "the KV cache config gives no block size in bytes"
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        return 0, f"{len(kv_cache_config.kv_cache_groups)} KV cache groups"
+    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
+        return 0, "vLLM zeroes new KV blocks before the connector's loads"
+    per_block = sum(t.size for t in kv_cache_config.kv_cache_tensors) // kv_cache_config.num_blocks
+    return (offload_bytes // per_block, None) if per_block else (0, "KV blocks of 0 bytes")
 
 
 @dataclass
@@ -105,6 +115,9 @@ class HostTier:
         del self.entries[(e.session, e.kind)]
         blocks, e.host_blocks = e.host_blocks or [], None
         self._free.extend(reversed(blocks))
+        if self.spills:   # its copies queued this step would land on blocks another entry may get now
+            gone = set(blocks)
+            self.spills = [(d, h) for d, h in self.spills if h not in gone]
         if why is not None:
             self.counts["dropped_blocks"] += len(blocks)
             log.debug("agentkv connector: %s/%s dropped from the host tier (%s)", e.session[:8], e.kind, why)

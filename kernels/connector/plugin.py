@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from .host_tier import block_bytes
+from .host_tier import tier_blocks
 from .params import DEFAULTS
 from .scheduler import ReuseScheduler
 from .stats import AgentKVPromMetrics, AgentKVStats
@@ -80,15 +80,15 @@ class AgentKVConnector(KVConnectorBase_V1):
             log.warning("agentkv connector: shifting disabled (%s); every edit recomputes", unsupported)
         self.scheduler: ReuseScheduler | None = None
         self.mover: KVMover | None = None
+        holds = unsupported is None and float(extra["hold_fraction"]) > 0   # else nothing is held to spill
+        host_blocks, no_tier = tier_blocks(kv_cache_config, int(extra["offload_bytes"]) if holds else 0)
+        if no_tier:
+            log.warning("agentkv connector: no host tier (%s): held blocks vLLM takes back are lost", no_tier)
         if role == KVConnectorRole.SCHEDULER:
-            per_block = block_bytes(kv_cache_config)
-            host_blocks = int(extra["offload_bytes"]) // per_block if per_block else 0
-            if int(extra["offload_bytes"]) and not per_block:
-                log.warning("agentkv connector: the KV cache config gives no block size in bytes; no host tier")
             self.scheduler = ReuseScheduler(vllm_config.cache_config.block_size, unsupported,
                                             float(extra["hold_fraction"]), float(extra["hold_ttl_s"]), host_blocks)
         else:
-            self.mover = KVMover(rope, vllm_config.cache_config.block_size)
+            self.mover = KVMover(rope, vllm_config.cache_config.block_size, host_blocks)
         self._failed_blocks: set[int] = set()
 
     @property
@@ -167,7 +167,7 @@ class AgentKVConnector(KVConnectorBase_V1):
         if self.scheduler is not None:
             return self.scheduler.take_stats()
         restored = self._mover.restored.take()
-        if not restored["restores"]:
+        if not restored["restore_bytes"]:
             return None
         stats = AgentKVStats()
         for name, value in restored.items():

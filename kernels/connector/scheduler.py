@@ -91,7 +91,8 @@ class ReuseScheduler:
 
     def bind(self, pool: BlockPool) -> None:
         budget = int(self.hold_fraction * pool.num_gpu_blocks) if self.unsupported is None else 0
-        self.held = HeldBlocks(pool, self.block_size, budget, self.ttl_s, on_lost=self._spill)
+        self.held = HeldBlocks(pool, self.block_size, budget, self.ttl_s, on_lost=self._spill,
+                               on_reset=self._forget_host)
         if budget > 0 and self.host_blocks > 0:
             self.host = HostTier(self.host_blocks)
             log.info("agentkv connector: a host tier of %d blocks keeps held prompts the pool takes back",
@@ -107,6 +108,10 @@ class ReuseScheduler:
         """A held entry lost its blocks to another request this step: copy it to the host tier."""
         if self.host is not None:
             self.host.spill(entry, protect=self._claimed())
+
+    def _forget_host(self) -> None:
+        if self.host is not None:
+            self.host.clear()
 
     def _claimed(self, but: str | None = None) -> frozenset[int]:
         """Entries that planned loads read (of requests other than ``but``)."""
@@ -232,10 +237,11 @@ class ReuseScheduler:
                                 [e is not None and not e.valid for e in claim.entries])
                 loads.append(spec)
                 self.loading[new.req_id] = spec
-                if self.host is not None:
-                    self.host.counts["restored_blocks"] += sum(
-                        _blocks_read(claim.runs, i, self.block_size)
-                        for i, e in enumerate(claim.entries) if e is not None and not e.valid)
+                restored = [i for i, e in enumerate(claim.entries) if e is not None and not e.valid and e.host_blocks]
+                if self.host is not None and restored:
+                    self.host.counts["restores"] += 1
+                    self.host.counts["restored_blocks"] += sum(_blocks_read(claim.runs, i, self.block_size)
+                                                               for i in restored)
             sp = new.sampling_params
             p = params_of((sp.extra_args or {}).get("kv_transfer_params") if sp is not None else None)
             if p is not None and not p.prime and not p.keep:

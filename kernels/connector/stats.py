@@ -6,11 +6,11 @@ API server's Prometheus registry (vLLM's ``/metrics``, which agentkv's ``/metric
   could not supply, so vLLM recomputed them, by reason (``params.FALLBACKS``);
 - ``vllm:agentkv_kv_reused_tokens_total``: prompt tokens whose K/V the connector moved;
 - ``vllm:agentkv_kv_held_blocks``: block references held now;
-- the host tier (``host_tier``): ``vllm:agentkv_kv_spilled_blocks_total``, ``..._restored_blocks_total``
-  and ``..._dropped_blocks_total`` (counted by the scheduler side), ``vllm:agentkv_kv_host_blocks``
-  (in use now), and per restore, from the worker side: ``vllm:agentkv_kv_restores_total``,
+- the host tier (``host_tier``): ``vllm:agentkv_kv_spilled_blocks_total``, ``..._restored_blocks_total``,
+  ``..._dropped_blocks_total`` and ``..._restores_total`` (counted by the scheduler side),
+  ``vllm:agentkv_kv_host_blocks`` (in use now), and from the worker side, summed over workers,
   ``..._restore_bytes_total`` and ``..._restore_seconds_total`` (bytes and time per restore are
-  their ratios to the restores).
+  their ratios to the restores; with several workers the seconds are worker-seconds).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ _HELP = {
     "dropped_blocks": "KV blocks the host tier could not keep (full, or an entry larger than it)",
     "restores": "Loads that read K/V from agentkv's host tier",
     "restore_bytes": "Bytes of K/V moved from agentkv's host tier into vLLM's blocks",
-    "restore_seconds": "Seconds the workers spent moving K/V from the host tier into vLLM's blocks",
+    "restore_seconds": "Seconds the workers spent moving K/V from the host tier into vLLM's blocks (summed)",
     "held_blocks": "KV block references agentkv's connector holds for sessions' next turns",
     "host_blocks": "Blocks of agentkv's host tier in use",
 }

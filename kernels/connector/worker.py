@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agentkv.kernels.evict import move_tokens
-from agentkv.kernels.layout import PagedKV, block_dim, slots_of
+from agentkv.kernels.layout import PagedKV, block_dim, layout_of, slots_of
 from agentkv.kernels.rope import RopeParams, UnsupportedShift
 
 log = logging.getLogger("vllm.agentkv_connector")   # in the engine process, under vLLM's log handlers
@@ -96,16 +96,18 @@ def geometry_problem(caches: dict[str, PagedKV], block_size: int, rope: RopePara
 
 class HostStore:
     """The host tier's K/V on one worker: per layer, a tensor laid out like vLLM's with ``blocks``
-    blocks, in host memory (pinned when vLLM's is on a GPU). Allocated at the first spill."""
+    blocks, in host memory (pinned when vLLM's is on a GPU: allocated at start-up, so a tier that
+    cannot be had fails there, not mid-serving)."""
 
     def __init__(self, blocks: int, layers: dict[str, torch.Tensor]):
         pin = any(t.is_cuda for t in layers.values()) and torch.cuda.is_available()
+        self.layouts = {name: layout_of(t) for name, t in layers.items()}
         self.raw: dict[str, torch.Tensor] = {}
         for name, t in layers.items():
             shape = list(t.shape)
-            shape[block_dim(t)] = blocks
+            shape[block_dim(self.layouts[name])] = blocks
             self.raw[name] = torch.empty(shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-        self.caches = {name: PagedKV.from_vllm(t) for name, t in self.raw.items()}
+        self.caches = {name: PagedKV.from_vllm(t, self.layouts[name]) for name, t in self.raw.items()}
         self.blocks = blocks
         log.info("agentkv connector: host tier of %d blocks allocated (%.2f GiB%s)", blocks,
                  sum(t.numel() * t.element_size() for t in self.raw.values()) / 2**30, ", pinned" if pin else "")
@@ -115,31 +117,31 @@ class HostStore:
         dev = torch.tensor([d for d, _ in pairs], dtype=torch.int64)
         host = torch.tensor([h for _, h in pairs], dtype=torch.int64)
         for name, t in layers.items():
-            dim = block_dim(t)
+            dim = block_dim(self.layouts[name])
             self.raw[name].index_copy_(dim, host, t.index_select(dim, dev.to(t.device)).to("cpu"))
 
     def source(self, name: str, device: torch.device, blocks: list[int]) -> tuple[PagedKV, list[int]]:
         """Layer ``name``'s host K/V readable on ``device``, and ``blocks`` as addressed there: the
         host tensor itself when it is on that device, else those blocks staged there in order."""
-        host = self.raw[name]
+        host, layout = self.raw[name], self.layouts[name]
         if device == host.device:
             return self.caches[name], blocks
-        dim = block_dim(host)
-        staged = host.index_select(dim, torch.tensor(blocks, dtype=torch.int64)).to(device, non_blocking=True)
-        return PagedKV.from_vllm(staged), list(range(len(blocks)))
+        index = torch.tensor(blocks, dtype=torch.int64)
+        staged = host.index_select(block_dim(layout), index).to(device, non_blocking=True)
+        return PagedKV.from_vllm(staged, layout), list(range(len(blocks)))
 
 
 @dataclass
 class RestoreStats:
-    """What the worker measured of restores (loads reading the host tier) since the last report."""
+    """What one worker measured of restores (loads reading the host tier) since the last report;
+    vLLM sums the workers' (the restores themselves are counted once, by the scheduler side)."""
 
-    restores: int = 0
     restore_bytes: int = 0
     restore_seconds: float = 0.0
 
     def take(self) -> dict[str, float]:
-        out = {"restores": self.restores, "restore_bytes": self.restore_bytes, "restore_seconds": self.restore_seconds}
-        self.restores, self.restore_bytes, self.restore_seconds = 0, 0, 0.0
+        out = {"restore_bytes": self.restore_bytes, "restore_seconds": self.restore_seconds}
+        self.restore_bytes, self.restore_seconds = 0, 0.0
         return out
 
 
@@ -147,11 +149,12 @@ class KVMover:
     """Called by the worker-side connector only, from the model runner's thread. ``block_size``:
     the scheduler's (what the block ids in a load count in)."""
 
-    def __init__(self, rope: RopeParams | None, block_size: int):
-        self.rope, self.block_size = rope, block_size
+    def __init__(self, rope: RopeParams | None, block_size: int, host_blocks: int = 0):
+        self.rope, self.block_size, self.host_blocks = rope, block_size, host_blocks
         self.caches: dict[str, PagedKV] = {}
         self.layers: dict[str, torch.Tensor] = {}
         self.host: HostStore | None = None
+        self.host_lost: str | None = None      # why this worker's tier is gone for good (its copies are)
         self.restored = RestoreStats()
         self.problem: str | None = None
         self.fail_all = os.environ.get(FAULT_ENV) == "1"
@@ -169,24 +172,32 @@ class KVMover:
         if self.problem:
             log.warning("agentkv connector: %s; moving disabled, every edit recomputes", self.problem)
             self.caches, self.layers = {}, {}
+        elif self.host_blocks > 0:
+            try:
+                self.host = HostStore(self.host_blocks, self.layers)
+            except (RuntimeError, ValueError) as exc:   # pinned memory refused: held blocks evicted are lost
+                self._lose_host(f"allocating {self.host_blocks} blocks failed ({exc})")
         first = next(iter(kv_caches.items()), None)
         log.info("agentkv connector: %d KV layers on this worker, e.g. %s %s", len(kv_caches),
                  *((first[0], tuple(first[1].shape)) if first else ("-", ())))
 
     def spill(self, pairs: list[tuple[int, int]], host_blocks: int) -> None:
         """Copy held blocks vLLM handed out this step into the host tier (before this step's loads
-        and forward pass write them). A spill that cannot be made leaves the tier's copy wrong: the
-        tier is dropped (its next reads fail, and vLLM recomputes those)."""
-        if not pairs or not self.layers:
+        and forward pass write them). A spill that cannot be made leaves the tier's copies wrong:
+        the tier is gone for good on this worker, and every later read of it fails (vLLM recomputes)."""
+        if not pairs or self.host is None:
+            return
+        if host_blocks != self.host.blocks:
+            self._lose_host(f"the scheduler's tier has {host_blocks} blocks, this worker's {self.host.blocks}")
             return
         try:
-            if self.host is None or self.host.blocks != host_blocks:
-                self.host = HostStore(host_blocks, self.layers)
             self.host.spill(self.layers, pairs)
         except (RuntimeError, ValueError, IndexError) as exc:
-            log.warning("agentkv connector: spilling %d blocks to the host tier failed (%s); its reads recompute",
-                        len(pairs), exc)
-            self.host = None
+            self._lose_host(f"spilling {len(pairs)} blocks failed ({exc})")
+
+    def _lose_host(self, why: str) -> None:
+        log.warning("agentkv connector: host tier off on this worker: %s; its reads recompute", why)
+        self.host, self.host_lost = None, why
 
     def load(self, loads: list[LoadSpec]) -> set[int]:
         """Run the loads before the forward pass; returns the block ids of loads that failed."""
@@ -206,7 +217,7 @@ class KVMover:
         pooled = [r for r in spec.runs if not spec.from_host(r[0])]
         hosted = [r for r in spec.runs if spec.from_host(r[0])]
         if hosted and self.host is None:
-            raise RuntimeError("the host tier holds nothing on this worker (an engine restart, or a failed spill)")
+            raise RuntimeError(f"no host tier on this worker ({self.host_lost or 'none configured'})")
         if pooled:
             by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
             for cache in self.caches.values():   # every layer's blocks are the scheduler's (``register``)
@@ -231,7 +242,6 @@ class KVMover:
             move_tokens(host, cache, *self._slots(sources, runs, spec.dst_blocks, bs, cache.key.device), rope)
         if any(c.key.is_cuda for c in self.caches.values()):
             torch.cuda.synchronize()
-        self.restored.restores += 1
         self.restored.restore_seconds += time.perf_counter() - started
         self.restored.restore_bytes += sum(r[3] for r in runs) * sum(
             2 * c.num_kv_heads * c.head_dim * c.key.element_size() for c in self.caches.values())

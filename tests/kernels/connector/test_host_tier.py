@@ -29,7 +29,7 @@ def test_a_spill_gets_host_blocks_and_queues_one_copy_per_block(pool):
     assert tier.spill(e) and tier.get("a", PROMPT) is e and tier.used == 3
     assert tier.take_spills() == list(zip(e.block_ids, e.host_blocks)) and tier.take_spills() == []
     assert len(set(e.host_blocks)) == 3 and all(0 <= b < 8 for b in e.host_blocks)
-    assert tier.take_counts() == {"spilled_blocks": 3, "restored_blocks": 0, "dropped_blocks": 0}
+    assert tier.take_counts() == {"spilled_blocks": 3, "restored_blocks": 0, "dropped_blocks": 0, "restores": 0}
     assert tier.take_counts()["spilled_blocks"] == 0                     # counts are since the last report
 
 
@@ -43,7 +43,7 @@ def test_full_the_least_recently_spilled_go_first_but_never_one_a_load_reads(poo
     assert set(a.host_blocks).isdisjoint(c.host_blocks) and tier.used == 7
     assert not tier.spill(entry(pool, "d", 2), protect=frozenset({id(a), id(c)}))   # nothing it may drop
     assert tier.get("d", PROMPT) is None and tier.used == 7
-    assert tier.take_counts() == {"spilled_blocks": 10, "restored_blocks": 0, "dropped_blocks": 3 + 2}
+    assert tier.take_counts() == {"spilled_blocks": 10, "restored_blocks": 0, "dropped_blocks": 3 + 2, "restores": 0}
 
 
 def test_an_entry_larger_than_the_tier_is_dropped_and_the_others_stay(pool):
@@ -81,3 +81,30 @@ def test_held_entries_reach_the_tier_when_the_pool_hands_their_blocks_out(pool):
     pool.get_new_blocks(pool.get_num_free_blocks())
     e = tier.get("a", PROMPT)
     assert e is not None and not e.valid and [d for d, _ in tier.take_spills()] == ids
+
+
+def test_a_dropped_entrys_queued_copies_go_with_it(pool):
+    """An entry spilled and then dropped for room in the same step: its copies are not run (its host
+    blocks went to the newer entry, whose copies are)."""
+    tier = HostTier(4)
+    old, new = entry(pool, "a", 3), entry(pool, "b", 3)
+    tier.spill(old)
+    tier.spill(new)
+    spills = tier.take_spills()
+    assert [d for d, _ in spills] == new.block_ids and [h for _, h in spills] == new.host_blocks
+
+
+def test_a_prefix_cache_reset_spills_nothing_and_empties_the_tier(pool):
+    tier = HostTier(16)
+    stale = entry(pool, "old", 2)
+    tier.spill(stale)
+    tier.take_spills()
+    held = HeldBlocks(pool, BS, budget=4, ttl_s=60, on_lost=tier.spill, on_reset=tier.clear)
+    ids = [b.block_id for b in pool.get_new_blocks(3)]
+    held.hold("a", PROMPT, list(range(12)), ids)
+    pool.free_blocks(reversed([pool.blocks[i] for i in ids]))
+    held.release_all("pressure")
+    pool.free_blocks(reversed(stale.blocks))                   # every block free: vLLM may reset now
+    assert pool.reset_prefix_cache()
+    assert held.get("a", PROMPT) is None and tier.get("a", PROMPT) is None and tier.get("old", PROMPT) is None
+    assert tier.take_spills() == [] and tier.used == 0

@@ -110,14 +110,19 @@ def test_a_session_of_clears_moves_held_blocks_and_keeps_no_kv_of_its_own(llm):
 
 
 
-def _worker_host_tier(worker, drop: bool = False):
-    """The worker's host tier: its size in blocks (None: none); ``drop`` forgets it (as a restart would)."""
+def _worker_host_tier(worker, make: int = 0, drop: bool = False):
+    """The worker's host tier: its size in blocks (None: none). ``make``: allocate one of that many
+    blocks first (as start-up does with --kv-offload-gib); ``drop``: lose it (a failed spill)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+    from agentkv.kernels.connector.worker import HostStore
+
     mover = get_kv_transfer_group().mover
+    if make:
+        mover.host = HostStore(make, mover.layers)
     blocks = None if mover.host is None else mover.host.blocks
     if drop:
-        mover.host = None
+        mover._lose_host("dropped by the test")
     return blocks
 
 
@@ -151,6 +156,7 @@ def test_held_blocks_vllm_takes_back_are_restored_from_the_host_tier(llm):
     reuse = engine.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
     bs = reuse.block_size
     reuse.host = HostTier(32)
+    assert engine.collective_rpc(_worker_host_tier, kwargs={"make": 32}) == [32]
     try:
         new_ids, edit = _spill_a_session(engine, renderer, "h1")
         got, _, report = generate(engine, new_ids, edit, "h1")
