@@ -155,7 +155,8 @@ def start_logged(argv: list[str], prefix: str, env: dict | None = None):
 
 def wait_ready(proc, url: str, timeout_s: float, name: str, log_path: Path | None = None) -> None:
     """Wait until ``url`` answers 200; an error naming ``name`` (and the end of its log) if ``proc``
-    exits first or ``timeout_s`` passes."""
+    exits first, its health says its engine ``failed`` to start (agentkv keeps answering then), or
+    ``timeout_s`` passes."""
     import time
 
     import httpx
@@ -168,9 +169,14 @@ def wait_ready(proc, url: str, timeout_s: float, name: str, log_path: Path | Non
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with {proc.returncode}{tail()}")
         try:
-            if httpx.get(url, timeout=5).status_code == 200:
+            r = httpx.get(url, timeout=5)
+            if r.status_code == 200:
                 return
-        except httpx.TransportError:
+            health = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+            if isinstance(health, dict) and health.get("status") == "failed":
+                raise RuntimeError(f"{name}'s engine failed to start: {health.get('error')}"
+                                   f"{tail()}")
+        except (httpx.TransportError, ValueError):
             pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"{name} was not ready within {timeout_s:.0f} s{tail()}")

@@ -360,6 +360,16 @@ def headlines(results: Path = RESULTS) -> str:
                      f"{o['recompute']['latency_p99_s']} s",
                      f"vLLM reached directly answers {o['vllm']['answered']}/{o['vllm']['turns']} turns, "
                      f"{o['vllm']['sessions_whole']}/{o['vllm']['sessions']} sessions whole", _where(r, name)])
+    tier, no_tier = results / "load-shift.json", results / "load-shift-no-tier.json"
+    if tier.exists() and no_tier.exists():
+        r, n = _load_result(results, "load-shift"), _load_result(results, "load-shift-no-tier")
+        if "kv_edits_reused" in r and "kv_edits_reused" in n:
+            rows.append([f"{r['sessions']} agent sessions at once (`bench load --kv-reuse shift`, SmolLM2): edits "
+                         "whose held K/V were still there to move, with the host tier",
+                         f"{r['kv_edits_reused']}/{r['kv_edits_reusable']} ({r['kv_reused_tokens']:,} tokens moved)",
+                         f"without it: {n['kv_edits_reused']}/{n['kv_edits_reusable']} "
+                         f"({n['kv_reused_tokens']:,} tokens)",
+                         _where(r, "load-shift") + "; [`load-shift-no-tier`](benchmarks/README.md#load)"])
     return table(["what", "measured", "against", "file, date, machine"], rows)
 
 
