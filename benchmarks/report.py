@@ -369,7 +369,7 @@ def headlines(results: Path = RESULTS) -> str:
                          f"{r['kv_edits_reused']}/{r['kv_edits_reusable']} ({r['kv_reused_tokens']:,} tokens moved)",
                          f"without it: {n['kv_edits_reused']}/{n['kv_edits_reusable']} "
                          f"({n['kv_reused_tokens']:,} tokens)",
-                         _where(r, "load-shift") + "; [`load-shift-no-tier`](benchmarks/README.md#load)"])
+                         _where(r, "load").replace("[`load`]", "[`load-shift`, `load-shift-no-tier`]")])
     return table(["what", "measured", "against", "file, date, machine"], rows)
 
 
