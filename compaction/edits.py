@@ -23,6 +23,17 @@ class PromptEdit:
                 "end": self.end, "replacement_tokens": len(self.replacement_ids)}
 
 
+def _common_ends(a: list[int], b: list[int]) -> tuple[int, int]:
+    """Lengths of the common prefix and (not overlapping it) the common suffix of ``a`` and ``b``."""
+    lcp = 0
+    while lcp < min(len(a), len(b)) and a[lcp] == b[lcp]:
+        lcp += 1
+    lcs = 0
+    while lcs < min(len(a), len(b)) - lcp and a[-1 - lcs] == b[-1 - lcs]:
+        lcs += 1
+    return lcp, lcs
+
+
 def diff_edits(old: RenderedPrompt, new: RenderedPrompt, kinds: dict[int, str]) -> list[PromptEdit]:
     """Minimal token-span edits between two renders of the same number of messages; only the
     messages in ``kinds`` may differ. The header and other segments must be equal token for token."""
@@ -35,12 +46,7 @@ def diff_edits(old: RenderedPrompt, new: RenderedPrompt, kinds: dict[int, str]) 
             continue
         if i not in kinds:
             raise ValueError(f"message {i} changed its tokens but was not edited")
-        lcp = 0
-        while lcp < min(len(a), len(b)) and a[lcp] == b[lcp]:
-            lcp += 1
-        lcs = 0
-        while lcs < min(len(a), len(b)) - lcp and a[-1 - lcs] == b[-1 - lcs]:
-            lcs += 1
+        lcp, lcs = _common_ends(a, b)
         start = old.ranges[i][0] + lcp
         edits.append(PromptEdit(i, kinds[i], start, old.ranges[i][1] - lcs, tuple(b[lcp:len(b) - lcs])))
     return edits
@@ -57,12 +63,7 @@ def apply_edits(token_ids: list[int], edits: list[PromptEdit]) -> list[int]:
 
 def span_edit(old_ids: list[int], new_ids: list[int], message_index: int, kind: str) -> list[PromptEdit]:
     """``old_ids`` -> ``new_ids`` as one span: what lies between their common prefix and suffix."""
-    lcp = 0
-    while lcp < min(len(old_ids), len(new_ids)) and old_ids[lcp] == new_ids[lcp]:
-        lcp += 1
-    lcs = 0
-    while lcs < min(len(old_ids), len(new_ids)) - lcp and old_ids[-1 - lcs] == new_ids[-1 - lcs]:
-        lcs += 1
+    lcp, lcs = _common_ends(old_ids, new_ids)
     if lcp == len(old_ids) == len(new_ids):
         return []
     return [PromptEdit(message_index, kind, lcp, len(old_ids) - lcs, tuple(new_ids[lcp:len(new_ids) - lcs]))]
@@ -88,9 +89,7 @@ def compose(first: list[PromptEdit], old_ids: list[int], second: list[PromptEdit
     ``second`` (``mid_ids`` -> ``new_ids``): a token of ``old_ids`` is kept where both keep it, and
     each gap between kept runs is one edit (what ``second`` replaced inside or across ``first``'s
     spans is absorbed into it). Checked: when the result does not give ``new_ids``, one span."""
-    kept_mid = []                                          # (old, mid, n): old tokens mid still has
-    for o, m, n in _kept(first, len(old_ids)):
-        kept_mid.append((o, m, n))
+    kept_mid = _kept(first, len(old_ids))                  # (old, mid, n): old tokens mid still has
     kept = []                                              # (old, new, n): ... new still has too
     for m2, n2, k2 in _kept(second, len(mid_ids)):         # runs of mid that second keeps
         for o, m, n in kept_mid:
