@@ -226,7 +226,8 @@ def _sessions(r: dict) -> str:
     head = (f"{r.get('workload', 'recorded client sessions')}, {r['model']}, window {r['window']} tokens, "
             f"{copies} cop{'y' if copies == 1 else 'ies'} of each, {r['concurrent']} at once"
             + (f" (pauses of {r['think_s']} s on average between a session's turns)" if r["concurrent"] > 1 else "")
-            + "\n\n")
+            + (f"; a KV pool of {r['pool_tokens']:,} tokens for every arm but the floor" if r.get("pool_tokens")
+               else "") + "\n\n")
     if "overall" in r:
         head += table(["arm", "sessions answered whole", "turns answered", "tokens computed", "floor", "x floor",
                        "worst session x floor", "edits", "largest prompt", "latency p50 s", "latency p99 s",
@@ -360,6 +361,21 @@ def headlines(results: Path = RESULTS) -> str:
                      f"{o['recompute']['latency_p99_s']} s",
                      f"vLLM reached directly answers {o['vllm']['answered']}/{o['vllm']['turns']} turns, "
                      f"{o['vllm']['sessions_whole']}/{o['vllm']['sessions']} sessions whole", _where(r, name)])
+    for name in sorted(p.stem for p in results.glob("sessions-c*-x*.json")):
+        r = _load_result(results, name)
+        o = r["overall"]
+        if not {"shift", "floor"} <= set(o):
+            continue
+        pool = f", a KV pool of {r['pool_tokens']:,} tokens" if r.get("pool_tokens") else ""
+        rows.append([f"{o['shift']['sessions'] * r['copies']} real client sessions (Claude Code, Codex), "
+                     f"{r['concurrent']} at once on a {r['window']:,}-token window{pool}",
+                     f"shift computes {_times(o['shift']['ratio'])} the floor's tokens (worst session "
+                     f"{_times(o['shift']['worst_ratio'])}), {o['shift']['kv_reused_tokens']:,} tokens of K/V moved; "
+                     f"latency p50/p99 {o['shift']['latency_p50_s']}/{o['shift']['latency_p99_s']} s",
+                     (f"without the host tier {_times(o['shift-no-tier']['ratio'])} "
+                      f"({o['shift-no-tier']['kv_reused_tokens']:,} tokens moved)" if "shift-no-tier" in o else "")
+                     + (f"; recompute {_times(o['recompute']['ratio'])}" if "recompute" in o else ""),
+                     _where(r, name)])
     tier, no_tier = results / "load-shift.json", results / "load-shift-no-tier.json"
     if tier.exists() and no_tier.exists():
         r, n = _load_result(results, "load-shift"), _load_result(results, "load-shift-no-tier")

@@ -35,6 +35,7 @@ from .session_record import DATA, load
 ARMS = ("vllm", "recompute", "shift", "shift-no-tier", "floor")
 DEFAULT_ARMS = ("vllm", "recompute", "shift", "floor")   # shift-no-tier: shift without the host tier, on demand
 FLOOR_WINDOW = 262_144
+POOL_BLOCK = 128          # tokens per KV block where --pool-tokens sets the pool (vLLM's CPU default)
 
 
 def copy_of(request: dict, k: int, model: str, run: str) -> tuple[str, dict, dict]:
@@ -112,8 +113,8 @@ def replay(url: str, api_key: str | None, requests: list[dict], k: int, model: s
 class VllmDirect:
     """vLLM's own API server on a TCP port, with the arguments agentkv starts it with."""
 
-    def __init__(self, path: str, model: str, window: int):
-        self.path, self.model, self.window, self.proc, self.url = path, model, window, None, None
+    def __init__(self, path: str, model: str, window: int, pool: tuple[str, ...] = ()):
+        self.path, self.model, self.window, self.pool, self.proc, self.url = path, model, window, pool, None, None
 
     def __enter__(self) -> "VllmDirect":
         import os
@@ -122,7 +123,8 @@ class VllmDirect:
         from agentkv.server.engine.process import engine_args, free_port
         from agentkv.server.engine.supervisor import resolve_model_path
 
-        cfg = ServeConfig(model=self.path, served_model_name=self.model, max_model_len=self.window)
+        cfg = ServeConfig(model=self.path, served_model_name=self.model, max_model_len=self.window,
+                          engine_args=self.pool)
         argv = engine_args(cfg, resolve_model_path(cfg), "cpu", "unused")
         i = argv.index("--uds")
         port = free_port()
@@ -158,9 +160,18 @@ def wide_model(layers: int) -> tuple[str, str]:
                            TinyModelSpec(layers=layers, max_position_embeddings=FLOOR_WINDOW))), name
 
 
-def agentkv_args(arm: str, path: str, model: str, window: int) -> tuple[str, ...]:
+def pool_args(pool_tokens: int | None) -> tuple[str, ...]:
+    """vLLM's arguments for a KV pool of ``pool_tokens`` tokens (``None``: the engine's own size)."""
+    if pool_tokens is None:
+        return ()
+    return (f"--block-size={POOL_BLOCK}", f"--num-gpu-blocks-override={-(-pool_tokens // POOL_BLOCK)}")
+
+
+def agentkv_args(arm: str, path: str, model: str, window: int, pool_tokens: int | None = None) -> tuple[str, ...]:
     serve = ("--model", path, "--served-model-name", model,
              "--max-model-len", str(FLOOR_WINDOW if arm == "floor" else window))
+    if arm != "floor":          # the floor is what a session costs with room for everything
+        serve += tuple(f"--engine-arg={a}" for a in pool_args(pool_tokens))
     serve += {"shift": ("--kv-reuse", "shift"), "shift-no-tier": ("--kv-reuse", "shift", "--kv-offload-gib", "0"),
               "floor": ("--no-context-management",)}.get(arm, ())
     # each arm its own session log: a session's view (what was cleared) must not carry over
@@ -168,10 +179,10 @@ def agentkv_args(arm: str, path: str, model: str, window: int) -> tuple[str, ...
 
 
 def run_arm(arm: str, sessions: dict[str, list], path: str, model: str, window: int, copies: int, concurrent: int,
-            think_s: float, seed: int) -> dict[str, list[dict]]:
+            think_s: float, seed: int, pool_tokens: int | None = None) -> dict[str, list[dict]]:
     """Each session replayed ``copies`` times on one server of ``arm``, ``concurrent`` at once."""
-    ctx = VllmDirect(path, model, window) if arm == "vllm" else Endpoint(serve_args=agentkv_args(arm, path, model,
-                                                                                                 window))
+    ctx = (VllmDirect(path, model, window, pool_args(pool_tokens)) if arm == "vllm"
+           else Endpoint(serve_args=agentkv_args(arm, path, model, window, pool_tokens)))
     jobs = [(name, k) for name in sessions for k in range(copies)]
     out: dict[str, list[dict]] = {name: [] for name in sessions}
     with ctx as ep, ThreadPoolExecutor(concurrent) as pool:
@@ -190,6 +201,16 @@ def latency(lat: list[float]) -> dict:
             "latency_p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3)}
 
 
+def worst_copy(rows: list[dict], floor_rows: list[dict]) -> float | None:
+    """The largest ratio of one copy's tokens computed to the same copy's on the floor."""
+    ratios = []
+    for k in sorted({r["session"] for r in rows}):
+        floor = sum(r["computed"] for r in floor_rows if r["session"] == k and r["status"] == 200)
+        if floor:
+            ratios.append(sum(r["computed"] for r in rows if r["session"] == k) / floor)
+    return round(max(ratios), 3) if ratios else None
+
+
 def summary(rows: list[dict], floor_rows: list[dict] | None) -> dict:
     ok = [r for r in rows if r["status"] == 200]
     computed = sum(r["computed"] for r in ok)
@@ -200,6 +221,7 @@ def summary(rows: list[dict], floor_rows: list[dict] | None) -> dict:
                                                                               if r["status"] != 200), default=None),
             "computed": computed, "floor": floor,
             "ratio": round(computed / floor, 3) if floor and len(ok) == len(rows) else None,
+            "worst_copy_ratio": worst_copy(rows, floor_rows) if floor and len(ok) == len(rows) else None,
             "edit_turns": sorted({r["turn"] for r in ok if r.get("edits")}),
             "max_prompt": max((r["prompt_tokens"] for r in ok), default=0),
             **latency(lat),
@@ -218,7 +240,7 @@ def overall(summaries: dict[str, dict], rows: list[dict]) -> dict:
             "turns": sum(s["turns"] for s in summaries.values()),
             "answered": sum(s["answered"] for s in summaries.values()),
             "computed": computed, "floor": floor, "ratio": round(computed / floor, 3) if floor else None,
-            "worst_ratio": max((s["ratio"] for s in rated), default=None),
+            "worst_ratio": max((s["worst_copy_ratio"] or s["ratio"] for s in rated), default=None),
             "edits": sum(len(s["edit_turns"]) for s in summaries.values()),
             "max_prompt": max(s["max_prompt"] for s in summaries.values()),
             **latency(lat),
@@ -284,6 +306,10 @@ def main(argv: list[str] | None = None) -> dict:
                     "session, sharing no cache with the others)")
     ap.add_argument("--concurrent", type=int, default=1, help="sessions (and copies) replayed at once")
     ap.add_argument("--think-s", type=float, default=1.0, help="mean pause between a session's turns (concurrent)")
+    ap.add_argument("--pool-tokens", type=int, default=None,
+                    help="KV pool of every arm but the floor, in tokens (vLLM's --num-gpu-blocks-override, blocks "
+                         f"of {POOL_BLOCK}); default the engine's own (1 GiB on a CPU: millions of tokens of the "
+                         "test model). Make it a few windows to have sessions compete for blocks as on a GPU")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--record", choices=("claude-code", "codex"), help="record a session instead (see --tree)")
     ap.add_argument("--tree", type=Path, help="--record: the source tree the client works in")
@@ -297,9 +323,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"wrote {record(args.record, args.tree, Path(tempfile.mkdtemp(prefix='agentkv-record-')))}")
         return {}
     if (args.concurrent < 1 or args.copies < 1 or args.traces < 0 or not 1 <= args.trace_words <= 64
-            or not 1024 <= args.window <= FLOOR_WINDOW or not 1 <= args.layers <= 32):
+            or not 1024 <= args.window <= FLOOR_WINDOW or not 1 <= args.layers <= 32
+            or (args.pool_tokens is not None and args.pool_tokens < args.window)):
         ap.error(f"--concurrent and --copies must be >= 1, --traces >= 0, --trace-words 1..64, "
-                 f"--window 1024..{FLOOR_WINDOW}, --layers 1..32")
+                 f"--window 1024..{FLOOR_WINDOW}, --layers 1..32, --pool-tokens at least --window")
     path, model = wide_model(args.layers)
     if args.traces:
         from .traces import conversation
@@ -312,10 +339,11 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         sessions = {p.name.removesuffix(".json.xz"): load(p)["requests"] for p in args.sessions}
     arms = [a for a in ARMS if a in args.arms]
-    rows = {a: run_arm(a, sessions, path, model, args.window, args.copies, args.concurrent, args.think_s, args.seed)
-            for a in arms}
+    rows = {a: run_arm(a, sessions, path, model, args.window, args.copies, args.concurrent, args.think_s, args.seed,
+                       args.pool_tokens) for a in arms}
     m = machine()
-    result = {"machine": m, "model": model, "window": args.window, "copies": args.copies,
+    result = {"machine": m, "model": model, "window": args.window, "pool_tokens": args.pool_tokens,
+              "copies": args.copies,
               "concurrent": args.concurrent, "think_s": args.think_s if args.concurrent > 1 else 0,
               "workload": (f"{len(sessions)} kv-cache-tester traces, {args.trace_words} words per 64-token block"
                            if args.traces else "recorded client sessions"),
@@ -335,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
     name = (("sessions-traces" if args.traces else "sessions") + (f"-c{args.copies}" if args.copies > 1 else "")
             + (f"-x{args.concurrent}" if args.concurrent > 1 else ""))
     what = f"{model}, window {args.window}, {args.copies} cop{'y' if args.copies == 1 else 'ies'} each, " \
-           f"{args.concurrent} at once"
+           f"{args.concurrent} at once" + (f", KV pool {args.pool_tokens} tokens" if args.pool_tokens else "")
     jpath, ppath = write_results(name, result, plot(result, f"{name}: {what}\n{machine_line(m)}"),
                                  args.out or DEFAULT_OUT)
     print_table(f"{result['workload']} replayed ({what})",

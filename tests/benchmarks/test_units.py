@@ -113,7 +113,7 @@ def test_a_server_that_is_not_ready_in_time_is_stopped_with_all_it_started():
 
 def test_sessions_copies_are_sessions_of_their_own_and_usage_reads_both_apis():
     from agentkv.benchmarks.session_record import DATA, load
-    from agentkv.benchmarks.sessions import copy_of, summary, usage_of
+    from agentkv.benchmarks.sessions import copy_of, overall, summary, usage_of
 
     for name in ("claude-code-2.1.332", "codex-0.171.0"):
         req = load(DATA / f"{name}.json.xz")["requests"][3]
@@ -133,6 +133,21 @@ def test_sessions_copies_are_sessions_of_their_own_and_usage_reads_both_apis():
     assert s["ratio"] == 1.25 and s["edit_turns"] == [2] and s["max_prompt"] == 103 and s["failed_from_turn"] is None
     failed = ok[:2] + [{"session": 0, "turn": 2, "status": 400, "latency_s": 0.1}]
     assert summary(failed, floor)["failed_from_turn"] == 2 and summary(failed, floor)["ratio"] is None
+    # two copies: the ratio is over both, the worst copy's is its own against the same copy's floor
+    copies = ok + [dict(r, session=1, computed=20) for r in ok]
+    s = summary(copies, floor + [dict(r, session=1) for r in floor])
+    assert s["ratio"] == 1.875 and s["worst_copy_ratio"] == 2.5
+    assert overall({"x": s}, copies)["worst_ratio"] == 2.5
+
+
+def test_sessions_pool_is_set_for_every_arm_but_the_floor():
+    from agentkv.benchmarks.sessions import agentkv_args, pool_args
+
+    assert pool_args(None) == ()
+    assert pool_args(65537) == ("--block-size=128", "--num-gpu-blocks-override=513")      # whole blocks, rounded up
+    shift = agentkv_args("shift", "/m", "m", 65536, 524288)
+    assert "--engine-arg=--num-gpu-blocks-override=4096" in shift and "--kv-reuse" in shift
+    assert not any("num-gpu-blocks" in a for a in agentkv_args("floor", "/m", "m", 65536, 524288))
 
 
 def test_public_traces_become_growing_conversations_of_their_scaled_size():
