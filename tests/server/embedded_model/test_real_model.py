@@ -54,6 +54,17 @@ def test_readmes_first_example_prints_what_it_says(real_server):
     assert r.stdout.strip() == shown
 
 
+def test_readmes_question_with_the_model_cards_sampling_names_paris_first(real_server):
+    """README's question, no sampling field (the model card's temperature 0.2, top_p 0.9 apply): at
+    least 5 of 6 answers name Paris in their first sentence (24 of 24 with transformers, seed 0)."""
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    question = re.search(r'question = "(.+?)"', readme).group(1)
+    answers = [real_server.client().chat.completions.create(
+        model=REAL, messages=[{"role": "user", "content": question}], max_tokens=24).choices[0].message.content
+        for _ in range(6)]
+    assert sum("Paris" in a.split(".")[0] for a in answers) >= 5, answers
+
+
 def test_the_built_generation_config_holds_the_model_cards_sampling(real_server):
     """vLLM applies it to requests that name no sampling field (its log says so at start)."""
     assert "overridden by the model's `generation_config.json`: `{'temperature': 0.2, 'top_p': 0.9}`" in \
