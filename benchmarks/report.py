@@ -361,7 +361,7 @@ def headlines(results: Path = RESULTS) -> str:
                      f"{o['recompute']['latency_p99_s']} s",
                      f"vLLM reached directly answers {o['vllm']['answered']}/{o['vllm']['turns']} turns, "
                      f"{o['vllm']['sessions_whole']}/{o['vllm']['sessions']} sessions whole", _where(r, name)])
-    for name in sorted(p.stem for p in results.glob("sessions-c*-x*.json")):
+    for name in sorted(p.stem for p in results.glob("sessions-c*-x*-pool*.json")):
         r = _load_result(results, name)
         o = r["overall"]
         if not {"shift", "floor"} <= set(o):
@@ -370,10 +370,10 @@ def headlines(results: Path = RESULTS) -> str:
         rows.append([f"{o['shift']['sessions'] * r['copies']} real client sessions (Claude Code, Codex), "
                      f"{r['concurrent']} at once on a {r['window']:,}-token window{pool}",
                      f"shift computes {_times(o['shift']['ratio'])} the floor's tokens (worst session "
-                     f"{_times(o['shift']['worst_ratio'])}), {o['shift']['kv_reused_tokens']:,} tokens of K/V moved; "
+                     f"{_times(o['shift']['worst_ratio'])}); {_moved(o['shift'])}; "
                      f"latency p50/p99 {o['shift']['latency_p50_s']}/{o['shift']['latency_p99_s']} s",
-                     (f"without the host tier {_times(o['shift-no-tier']['ratio'])} "
-                      f"({o['shift-no-tier']['kv_reused_tokens']:,} tokens moved)" if "shift-no-tier" in o else "")
+                     (f"without the host tier {_times(o['shift-no-tier']['ratio'])}; {_moved(o['shift-no-tier'])}"
+                      if "shift-no-tier" in o else "")
                      + (f"; recompute {_times(o['recompute']['ratio'])}" if "recompute" in o else ""),
                      _where(r, name)])
     tier, no_tier = results / "load-shift.json", results / "load-shift-no-tier.json"
@@ -387,6 +387,12 @@ def headlines(results: Path = RESULTS) -> str:
                          f"({n['kv_reused_tokens']:,} tokens)",
                          _where(r, "load").replace("[`load`]", "[`load-shift`, `load-shift-no-tier`]")])
     return table(["what", "measured", "against", "file, date, machine"], rows)
+
+
+def _moved(arm: dict) -> str:
+    """How many of an arm's edits moved held K/V, and how many tokens."""
+    return (f"{arm.get('kv_edits_reused', '?')}/{arm.get('kv_edits', '?')} edits moved their held K/V "
+            f"({arm['kv_reused_tokens']:,} tokens)")
 
 
 def _times(ratio) -> str:

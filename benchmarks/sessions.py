@@ -223,9 +223,11 @@ def summary(rows: list[dict], floor_rows: list[dict] | None) -> dict:
             "ratio": round(computed / floor, 3) if floor and len(ok) == len(rows) else None,
             "worst_copy_ratio": worst_copy(rows, floor_rows) if floor and len(ok) == len(rows) else None,
             "edit_turns": sorted({r["turn"] for r in ok if r.get("edits")}),
+            "edits": sum(1 for r in ok if r.get("edits")),      # turns with an edit, over every copy
             "max_prompt": max((r["prompt_tokens"] for r in ok), default=0),
             **latency(lat),
             "kv_reused_tokens": sum(k.get("reused_tokens", 0) for k in kv),
+            "kv_edits": len(kv), "kv_edits_reused": sum(1 for k in kv if k.get("reused_tokens")),
             "kv_fallbacks": sorted({k["fallback"] for k in kv if k.get("fallback")})}
 
 
@@ -241,10 +243,12 @@ def overall(summaries: dict[str, dict], rows: list[dict]) -> dict:
             "answered": sum(s["answered"] for s in summaries.values()),
             "computed": computed, "floor": floor, "ratio": round(computed / floor, 3) if floor else None,
             "worst_ratio": max((s["worst_copy_ratio"] or s["ratio"] for s in rated), default=None),
-            "edits": sum(len(s["edit_turns"]) for s in summaries.values()),
+            "edits": sum(s.get("edits", len(s["edit_turns"])) for s in summaries.values()),
             "max_prompt": max(s["max_prompt"] for s in summaries.values()),
             **latency(lat),
             "kv_reused_tokens": sum(s["kv_reused_tokens"] for s in summaries.values()),
+            "kv_edits": sum(s.get("kv_edits", 0) for s in summaries.values()),
+            "kv_edits_reused": sum(s.get("kv_edits_reused", 0) for s in summaries.values()),
             "kv_fallbacks": sorted({f for s in summaries.values() for f in s["kv_fallbacks"]})}
 
 
@@ -361,7 +365,8 @@ def main(argv: list[str] | None = None) -> dict:
                       s["latency_p50_s"] or "", s["latency_p99_s"] or "", s["kv_reused_tokens"],
                       ",".join(s["kv_fallbacks"])])
     name = (("sessions-traces" if args.traces else "sessions") + (f"-c{args.copies}" if args.copies > 1 else "")
-            + (f"-x{args.concurrent}" if args.concurrent > 1 else ""))
+            + (f"-x{args.concurrent}" if args.concurrent > 1 else "")
+            + (f"-pool{args.pool_tokens // 1024}k" if args.pool_tokens else ""))
     what = f"{model}, window {args.window}, {args.copies} cop{'y' if args.copies == 1 else 'ies'} each, " \
            f"{args.concurrent} at once" + (f", KV pool {args.pool_tokens} tokens" if args.pool_tokens else "")
     jpath, ppath = write_results(name, result, plot(result, f"{name}: {what}\n{machine_line(m)}"),

@@ -136,8 +136,12 @@ def test_sessions_copies_are_sessions_of_their_own_and_usage_reads_both_apis():
     # two copies: the ratio is over both, the worst copy's is its own against the same copy's floor
     copies = ok + [dict(r, session=1, computed=20) for r in ok]
     s = summary(copies, floor + [dict(r, session=1) for r in floor])
-    assert s["ratio"] == 1.875 and s["worst_copy_ratio"] == 2.5
-    assert overall({"x": s}, copies)["worst_ratio"] == 2.5
+    assert s["ratio"] == 1.875 and s["worst_copy_ratio"] == 2.5 and s["edits"] == 2 and s["edit_turns"] == [2]
+    assert overall({"x": s}, copies)["worst_ratio"] == 2.5 and overall({"x": s}, copies)["edits"] == 2
+    moved = [dict(r, kv=[{"reused_tokens": 64}] if r["edits"] else []) for r in ok]
+    moved[0]["kv"] = [{"reused_tokens": 0, "fallback": "evicted"}]
+    m = overall({"x": summary(moved, floor)}, moved)
+    assert (m["kv_edits"], m["kv_edits_reused"], m["kv_reused_tokens"], m["kv_fallbacks"]) == (2, 1, 64, ["evicted"])
 
 
 def test_sessions_pool_is_set_for_every_arm_but_the_floor():
