@@ -391,7 +391,7 @@ def headlines(results: Path = RESULTS) -> str:
 
 def _moved(arm: dict) -> str:
     """How many of an arm's edits moved held K/V, and how many tokens."""
-    return (f"{arm.get('kv_edits_reused', '?')}/{arm.get('kv_edits', '?')} edits moved their held K/V "
+    return (f"{arm['kv_edits_reused']}/{arm['kv_edits']} edits moved their held K/V "
             f"({arm['kv_reused_tokens']:,} tokens)")
 
 

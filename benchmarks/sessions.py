@@ -242,13 +242,13 @@ def overall(summaries: dict[str, dict], rows: list[dict]) -> dict:
             "turns": sum(s["turns"] for s in summaries.values()),
             "answered": sum(s["answered"] for s in summaries.values()),
             "computed": computed, "floor": floor, "ratio": round(computed / floor, 3) if floor else None,
-            "worst_ratio": max((s["worst_copy_ratio"] or s["ratio"] for s in rated), default=None),
-            "edits": sum(s.get("edits", len(s["edit_turns"])) for s in summaries.values()),
+            "worst_ratio": max((s["worst_copy_ratio"] for s in rated), default=None),
+            "edits": sum(s["edits"] for s in summaries.values()),
             "max_prompt": max(s["max_prompt"] for s in summaries.values()),
             **latency(lat),
             "kv_reused_tokens": sum(s["kv_reused_tokens"] for s in summaries.values()),
-            "kv_edits": sum(s.get("kv_edits", 0) for s in summaries.values()),
-            "kv_edits_reused": sum(s.get("kv_edits_reused", 0) for s in summaries.values()),
+            "kv_edits": sum(s["kv_edits"] for s in summaries.values()),
+            "kv_edits_reused": sum(s["kv_edits_reused"] for s in summaries.values()),
             "kv_fallbacks": sorted({f for s in summaries.values() for f in s["kv_fallbacks"]})}
 
 

@@ -18,6 +18,7 @@ from agentkv.server.embedded_model.catalog import model_dir
 from conftest import API_KEY, REAL
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+README = Path(__file__).resolve().parents[3] / "README.md"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city", "strict": True,
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
@@ -44,7 +45,7 @@ def test_capital_of_france_through_the_anthropic_client(real_server):
 def test_readmes_first_example_prints_what_it_says(real_server):
     """README's first Python example, run as written against the default server (only its base URL
     pointed at this one): it prints the answer its comment shows."""
-    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    readme = README.read_text()
     code = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "chat.completions.create" in b)
     shown = re.search(r"print\(.*\)\s+# (.+)", code).group(1).strip()
     code = code.replace("http://127.0.0.1:8000/v1", f"{real_server.base_url}/v1")
@@ -57,7 +58,7 @@ def test_readmes_first_example_prints_what_it_says(real_server):
 def test_readmes_question_with_the_model_cards_sampling_names_paris_first(real_server):
     """README's question, no sampling field (the model card's temperature 0.2, top_p 0.9 apply): at
     least 5 of 6 answers name Paris in their first sentence (24 of 24 with transformers, seed 0)."""
-    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    readme = README.read_text()
     question = re.search(r'question = "(.+?)"', readme).group(1)
     answers = [real_server.client().chat.completions.create(
         model=REAL, messages=[{"role": "user", "content": question}], max_tokens=24).choices[0].message.content
