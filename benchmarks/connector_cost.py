@@ -1,6 +1,6 @@
 """What the KV connector costs requests that never clear: the same agent sessions sent to a server
-with the connector (``--kv-reuse shift``: every turn's blocks are held for the next) and to one
-without it (``recompute``), same model and engine settings, A/B interleaved request by request
+with the connector (the default, retention: every turn's blocks are held for the next) and to one
+without it (``--no-kv-retention``), same model and engine settings, A/B interleaved request by request
 (the order flips every turn), streamed. Measures TTFT and decode tokens/s per request; reports the
 median of the paired on/off ratios against a goal of 3%.
 
@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tool-lines", type=int, default=30, help="lines per tool output")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens decoded per request (EOS ignored)")
     ap.add_argument("--max-model-len", type=int, default=8192)
-    ap.add_argument("--url-on", help="a running server with the connector (--kv-reuse shift)")
-    ap.add_argument("--url-off", help="a running server without it")
+    ap.add_argument("--url-on", help="a running server with the connector (the default: retention)")
+    ap.add_argument("--url-off", help="a running server without it (--no-kv-retention)")
     ap.add_argument("--api-key", help="API key of both URLs")
     ap.add_argument("--out", default=RESULTS, help="results folder (default: benchmarks/results)")
     args = ap.parse_args(argv)
@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--sessions and --turns must be >= 1, with at most 2,000 pairs")
     model = "agentkv-tiny" if args.quick and not args.model else args.model
     common = ("--max-model-len", str(args.max_model_len)) + (("--model", model) if model else ())
-    with Endpoint(args.url_on, args.api_key, common + ("--kv-reuse", "shift")) as on, \
-            Endpoint(args.url_off, args.api_key, common + ("--kv-reuse", "recompute")) as off:
+    with Endpoint(args.url_on, args.api_key, common) as on, \
+            Endpoint(args.url_off, args.api_key, common + ("--no-kv-retention",)) as off:
         served = on.model()["id"]
         rows = run(on, off, sessions, turns, args.tool_lines, args.quick and 8 or args.max_tokens)
     m = machine()

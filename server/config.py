@@ -107,8 +107,11 @@ class ServeConfig(BaseModel):
     server_tools: bool = Field(False, description="offer the server-executed recall and note tools to every request")
     max_server_tool_rounds: int = Field(4, ge=1, le=16, description="bound on server tool calls per request")
     kv_reuse: KVMode = Field(
-        "recompute", description=f"after clearing: {describe()}; every mode but recompute loads agentkv's vLLM "
-                                 "KV connector")
+        "recompute", description=f"after clearing: {describe()}; shift and blend load agentkv's vLLM KV connector")
+    kv_retention: bool = Field(
+        True, description="connector, in every mode: a session's last prompt stays held across its pause (pool, then "
+                          "host tier) and its next turn reads back what vLLM's prefix cache no longer has (off: "
+                          "recompute loads no connector, and only an edit reads held K/V)")
     blend_strategy: BlendStrategy = Field(
         "tail", description="blend: which moved blocks are recomputed: the last (tail), the first after each cut "
                             "(cuts, EPIC-like) or those whose early-layer K/V moved most (deviation, CacheBlend-like)")
@@ -216,8 +219,9 @@ class ServeConfig(BaseModel):
 
     @property
     def kv_connector(self) -> bool:
-        """Whether vLLM runs agentkv's KV connector: the server's default mode uses it."""
-        return kv_mode(self.kv_reuse).uses_connector
+        """Whether vLLM runs agentkv's KV connector: retention is on, or the server's default mode
+        uses it."""
+        return self.kv_retention or kv_mode(self.kv_reuse).uses_connector
 
     @property
     def session_db_path(self) -> str:

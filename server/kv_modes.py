@@ -4,7 +4,9 @@ that depends on it: whether the engine is started with agentkv's KV connector, w
 edits go to the connector (and its prompt then takes the branch's approximate cache salt), and what
 the front runs before the edited request (``kv.reuse.attach`` asks ``primes`` and ``refine``).
 
-- ``recompute``: vLLM recomputes everything after the first edited token (exact); no connector.
+- ``recompute``: vLLM recomputes everything after the first edited token (exact); with retention
+  (``--kv-retention``, the default) the connector still holds each turn's prompt and reads back
+  what vLLM's prefix cache lost of it, exact K/V only.
 - ``shift``: the connector moves the kept tokens' K/V (RoPE-rotated by the kernel) and the
   placeholders' from a priming request.
 - ``blend``: ``shift``, then a share of the moved tokens is recomputed (``kv_blend``).
@@ -24,10 +26,9 @@ arguments come from here), so it calls into them only through what it is handed.
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from agentkv.kernels.connector.params import Primed, transfer_config
+from agentkv.kernels.connector.params import Primed
 
 if TYPE_CHECKING:
     from .config import ServeConfig
@@ -42,11 +43,9 @@ class KVReuseMode:
     uses_connector: ClassVar[bool] = True   # a server whose --kv-reuse this is starts vLLM with the connector
 
     def engine_args(self, cfg: ServeConfig) -> list[str]:
-        """vLLM's arguments for a server whose default mode this is: agentkv's KV connector."""
-        if not self.uses_connector:
-            return []
-        return ["--kv-transfer-config", json.dumps(transfer_config(cfg.kv_hold_fraction, cfg.kv_hold_ttl_s,
-                                                                   cfg.kv_offload_bytes))]
+        """vLLM's arguments of its own for a server whose default mode this is (the connector is
+        the engine's whenever ``cfg.kv_connector``: ``engine.process.engine_args``)."""
+        return []
 
     def moves(self, cfg: ServeConfig) -> bool:
         """Whether a request in this mode hands its clearing edits to the connector (the server runs

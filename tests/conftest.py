@@ -227,6 +227,15 @@ def log_target(request, tmp_path) -> str:
 
 
 @pytest.fixture(scope="session")
+def no_connector_server(tmp_path_factory) -> Server:
+    """The ``server`` fixture's settings with no KV connector (``--no-kv-retention``, recompute):
+    what agentkv did before retention, for the tests that compare with it or need it absent."""
+    srv = start_server(tmp_path_factory.mktemp("agentkv-no-connector"), "--no-kv-retention")
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="session")
 def real_server(tmp_path_factory) -> Server:
     """`agentkv serve` with no model flag: the default, SmolLM2-135M-Instruct (8192-token window).
     For the tests whose answers must be right; everything else uses the tiny model."""

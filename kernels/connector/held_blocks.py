@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -48,6 +48,7 @@ class HeldEntry:
     pinned: bool = True            # we hold a reference on every block
     valid: bool = True             # no block was handed out since
     host_blocks: list[int] | None = None   # where the host tier keeps a copy (``host_tier``), or None
+    exact: bool = False            # held by an exact request: every K/V computed, none moved (``params``)
     _digest: str | None = None
 
     @property
@@ -60,6 +61,14 @@ class HeldEntry:
         if self._digest is None:
             self._digest = prompt_hash(self.token_ids)
         return len(self.token_ids), self._digest
+
+
+def retention_order(entries: Iterable[HeldEntry]) -> list[HeldEntry]:
+    """Which entries go first when room is needed, in the pool (released) or in the host tier
+    (dropped): the longest paused session first (held earliest: its turn finished before the
+    others', and an agent whose tools are still running comes back sooner than one its user left),
+    and of two held at once the larger (it makes the room with fewer sessions losing their K/V)."""
+    return sorted(entries, key=lambda e: (e.held_at, -len(e.blocks)))
 
 
 @dataclass
@@ -78,9 +87,11 @@ class HeldBlocks:
     _watched: dict[int, set[HeldEntry]] = field(default_factory=dict)     # block id -> released entries
     held_blocks: int = 0           # block references held now (a block in two entries counts twice)
 
-    def hold(self, session: str, kind: str, token_ids: Sequence[int], block_ids: list[int]) -> str | None:
+    def hold(self, session: str, kind: str, token_ids: Sequence[int], block_ids: list[int],
+             exact: bool = False) -> str | None:
         """Hold the blocks of ``token_ids`` (a finished request's; the caller still owns them)
-        for ``session``, replacing its previous entry of this kind. Returns why not, or None."""
+        for ``session``, replacing its previous entry of this kind; ``exact``: the request read and
+        computed exact K/V only. Returns why not, or None."""
         n = -(-len(token_ids) // self.block_size)
         blocks = [self.pool.blocks[i] for i in block_ids[:n]]
         self.drop(session, kind)
@@ -90,10 +101,10 @@ class HeldBlocks:
             return "not_held"
         over = n > self.budget
         while not over and self.held_blocks + n > self.budget:
-            self._release(next(e for e in self.entries.values() if e.pinned), "budget")
+            self._release(retention_order(e for e in self.entries.values() if e.pinned)[0], "budget")
         self.pool.touch(blocks)
         self.held_blocks += n
-        entry = self.entries[(session, kind)] = HeldEntry(session, kind, token_ids, blocks, self.clock())
+        entry = self.entries[(session, kind)] = HeldEntry(session, kind, token_ids, blocks, self.clock(), exact=exact)
         if over:   # readable until handed out, like any released entry (and then spilled, if a tier takes it)
             log.info("agentkv connector: %d blocks exceed the held-block budget %d; released at once", n, self.budget)
             self._release(entry, "budget")
@@ -134,10 +145,10 @@ class HeldBlocks:
             self._unwatch(e)
 
     def make_room(self, need_blocks: int, keep: str | None = None, protect: frozenset[int] = frozenset()) -> None:
-        """Release held entries, least recently held first (``keep``'s session last), until the
+        """Release held entries in ``retention_order`` (``keep``'s session last), until the
         pool has ``need_blocks`` free blocks: a request about to be admitted needs them. Entries
         whose ``id`` is in ``protect`` (sources of loads planned this step) stay."""
-        order = sorted((e for e in self.entries.values() if e.pinned and id(e) not in protect),
+        order = sorted(retention_order(e for e in self.entries.values() if e.pinned and id(e) not in protect),
                        key=lambda e: e.session == keep)
         for e in order:
             if self.pool.get_num_free_blocks() >= need_blocks:

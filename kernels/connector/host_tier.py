@@ -8,7 +8,9 @@ The session's next turn reads the entry from here (the worker's loads take a hos
 as it would from the pool: same key, same identity check, same kernel.
 
 Bounds: ``capacity`` host blocks (``--kv-offload-gib`` over the bytes of one block on one worker).
-A spill that does not fit drops the least recently spilled entries, never one a planned load reads
+A spill that does not fit drops entries in retention order (``retention_order``): the session
+whose pause began longest ago first (its last turn finished earliest: an agent whose tools are
+still running comes back sooner than one its user left), never one a planned load reads
 (``protect``); an entry larger than the tier, or with nothing left to drop, is dropped itself. An
 entry goes when read (the session holds its new prompt) or superseded, like a held one. Everything
 lives in the engine's processes: an engine restart starts empty, and the next turn recomputes.
@@ -21,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .held_blocks import PRIME, PROMPT, HeldEntry
+from .held_blocks import PRIME, PROMPT, HeldEntry, retention_order
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -49,7 +51,7 @@ def tier_blocks(kv_cache_config: KVCacheConfig | None, offload_bytes: int) -> tu
 
 @dataclass
 class HostTier:
-    """Spilled entries by (session, kind), least recently spilled first."""
+    """Spilled entries by (session, kind)."""
 
     capacity: int
     entries: OrderedDict[tuple[str, str], HeldEntry] = field(default_factory=OrderedDict)
@@ -69,7 +71,7 @@ class HostTier:
         pass) host blocks and queue the copy. False when it cannot be kept (counted as dropped)."""
         self.drop(entry.session, entry.kind)
         n = len(entry.blocks)
-        others = [e for e in self.entries.values() if id(e) not in protect]
+        others = retention_order(e for e in self.entries.values() if id(e) not in protect)
         if 0 < n <= len(self._free) + sum(len(e.blocks) for e in others):   # else nothing is dropped for it
             for old in others:
                 if len(self._free) >= n:

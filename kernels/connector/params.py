@@ -8,7 +8,12 @@ imports vLLM's connector classes or torch through it).
 - **front -> connector**, per request, in ``kv_transfer_params["agentkv"]`` (``Params``):
 
   - ``session``: when this request finishes, hold its prompt blocks as this session's prompt; when
-    it is scheduled, the session's older entries are given back;
+    it is scheduled, the session's older entries are given back; a request with no edit reads back
+    (``retain``) what vLLM's prefix cache no longer has of the session's held prompt;
+  - ``exact``: the request's K/V must all be computed by vLLM for it or an exact earlier request
+    (its cache salt is the exact one): it reads only entries held by exact requests, and what it
+    holds is exact (an entry held without it may contain moved K/V and serves approximate requests
+    only);
   - ``prime``: hold it as the session's priming prompt instead, give nothing back; the answer is a
     ``Primed`` (block size, tokens of the session's prompt held: 0 when that is not ``held``);
   - ``spans``: ``[[start, end, replacement], ...]``: the edit between the session's held prompt and
@@ -36,7 +41,7 @@ from typing import Any
 NAMESPACE = "agentkv"   # the key in kv_transfer_params
 CONNECTOR_MODULE = "agentkv.kernels.connector.plugin"
 CONNECTOR_CLASS = "AgentKVConnector"
-DEFAULTS = {"hold_fraction": 0.25, "hold_ttl_s": 300.0, "offload_bytes": 0}
+DEFAULTS = {"hold_fraction": 0.25, "hold_ttl_s": 300.0, "offload_bytes": 0, "retain": True}
 
 # Why a planned reuse fell back to recompute (the connector's reasons; the front adds its own).
 FALLBACKS = {
@@ -59,14 +64,15 @@ def prompt_hash(token_ids: Sequence[int]) -> str:
     return hashlib.sha256(raw).hexdigest()[:32]
 
 
-def transfer_config(hold_fraction: float, hold_ttl_s: float, offload_bytes: int = 0) -> dict:
+def transfer_config(hold_fraction: float, hold_ttl_s: float, offload_bytes: int = 0, retain: bool = True) -> dict:
     """vLLM's ``--kv-transfer-config`` for agentkv's connector (``offload_bytes``: the host tier's
-    size on each worker, 0 for none). A load that fails late is recomputed by vLLM, never an error
+    size on each worker, 0 for none; ``retain``: turns with no edit read back their session's held
+    prompt, else only edits read it). A load that fails late is recomputed by vLLM, never an error
     (``kv_load_failure_policy``)."""
     return {"kv_connector": CONNECTOR_CLASS, "kv_role": "kv_both", "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"hold_fraction": hold_fraction, "hold_ttl_s": hold_ttl_s,
-                                          "offload_bytes": offload_bytes}}
+                                          "offload_bytes": offload_bytes, "retain": retain}}
 
 
 def _ours(kv_transfer_params: Any) -> dict | None:
@@ -84,9 +90,12 @@ class Params:
     limit: int | None = None                        # supply nothing at or after this position
     keep: bool = False                              # a blend pass (``pass`` on the wire)
     held: tuple[int, str] | None = None             # (tokens, prompt_hash) of the prompt the spans are on
+    exact: bool = False                             # reads and holds exact K/V only
 
     def to_wire(self) -> dict:
         raw: dict[str, Any] = {"session": self.session}
+        if self.exact:
+            raw["exact"] = True
         if self.prime:
             raw["prime"] = True
         if self.spans:
@@ -113,7 +122,7 @@ class Params:
                 raise ValueError(f"held must be [tokens, digest], not {held!r:.60}")
             return cls(str(raw["session"]), bool(raw.get("prime", False)), spans,
                        None if limit is None else int(limit), bool(raw.get("pass", False)),
-                       None if held is None else (int(held[0]), str(held[1])))
+                       None if held is None else (int(held[0]), str(held[1])), raw.get("exact") is True)
         except (LookupError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed agentkv kv_transfer_params: {exc!r}") from None
 

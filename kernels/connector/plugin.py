@@ -6,13 +6,14 @@ Loaded by vLLM through its public connector API (``params.transfer_config`` is i
                            "kv_connector_module_path": "agentkv.kernels.connector.plugin",
                            "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"hold_fraction": 0.25, "hold_ttl_s": 300,
-                                                         "offload_bytes": 4294967296}}'
+                                                         "offload_bytes": 4294967296, "retain": true}}'
 
 vLLM makes one instance in the scheduler process (role SCHEDULER) and one per worker (role
 WORKER, one per tensor-parallel rank); they share nothing but the per-step metadata. The
 scheduler side (``scheduler.ReuseScheduler``, ``held_blocks.HeldBlocks``) holds each
 session's last prompt blocks in vLLM's block pool and plans which of them supply a new prompt after
-an edit; the worker side (``worker.KVMover``) moves those tokens between blocks of vLLM's own KV
+an edit, and reads back what vLLM's prefix cache no longer has of it for a turn with no edit
+(retention); the worker side (``worker.KVMover``) moves those tokens between blocks of vLLM's own KV
 tensors with ``move_tokens`` (keys re-rotated by the position delta). Whatever cannot be supplied
 is computed by vLLM: claims are made only for K/V that is held, and a load that fails on a worker
 is reported as failed blocks, which vLLM recomputes (``kv_load_failure_policy: recompute``).
@@ -86,7 +87,8 @@ class AgentKVConnector(KVConnectorBase_V1):
             log.warning("agentkv connector: no host tier (%s): held blocks vLLM takes back are lost", no_tier)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = ReuseScheduler(vllm_config.cache_config.block_size, unsupported,
-                                            float(extra["hold_fraction"]), float(extra["hold_ttl_s"]), host_blocks)
+                                            float(extra["hold_fraction"]), float(extra["hold_ttl_s"]), host_blocks,
+                                            retain=bool(extra["retain"]))
         else:
             self.mover = KVMover(rope, vllm_config.cache_config.block_size, host_blocks)
         self._failed_blocks: set[int] = set()
@@ -125,7 +127,10 @@ class AgentKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """End of each schedule(): this step's loads (block ids of held sources and destinations)."""
-        loads, spills = self._sched.build_loads(scheduler_output), self._sched.take_spills()
+        # the spills first: an entry this step's loads read and then give back may have been spilled
+        # in this very step (its copies run before the loads on the worker)
+        spills = self._sched.take_spills()
+        loads = self._sched.build_loads(scheduler_output)
         if spills:   # copied before this step's forward pass writes those blocks (as HiSparse does for its loads)
             scheduler_output.has_sync_kv_loads = True
         host = self._sched.host

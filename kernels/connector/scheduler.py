@@ -3,6 +3,12 @@
 The front's instructions arrive per request as ``params.Params`` (see ``params`` for what each
 field asks); the outcome of an edit (tokens reused, or why it fell back) goes back with the
 finished request as a ``params.Outcome`` and into the counters of ``stats``.
+
+Two kinds of claim: an edit's (``spans``: kept tokens move to new positions, see ``reuse_plan``),
+and a turn's with no edit (*retention*): the tokens its prompt shares with the session's held
+prompt from the start, past vLLM's own prefix hit, read back at their own positions from the
+pool or the host tier, so a session whose blocks vLLM handed out during its pause computes only
+what is new. An exact request reads exact entries only (``HeldEntry.exact``).
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ class Claim:
     runs: list[Run]
     start: int
     end: int
+    edit: bool = True                 # an edit's claim (its outcome is reported), else retention's
 
 
 @dataclass
@@ -79,11 +86,13 @@ class ReuseScheduler:
     hold_fraction: float
     ttl_s: float
     host_blocks: int = 0             # the host tier's capacity in blocks (0: no tier)
+    retain: bool = True              # turns with no edit read back their session's held prompt
     held: HeldBlocks | None = None
     host: HostTier | None = None
     claims: dict[str, Claim] = field(default_factory=dict)
     loading: dict[str, LoadSpec] = field(default_factory=dict)
     outcomes: dict[str, Outcome] = field(default_factory=dict)
+    retained: dict[str, int] = field(default_factory=dict)    # tokens retention loads for a request
     stats: AgentKVStats = field(default_factory=AgentKVStats)
     geometry: str | None = None      # why a worker cannot move in its KV tensors, or None
     _reported_held: int = -1
@@ -118,12 +127,13 @@ class ReuseScheduler:
         return frozenset(id(e) for c in self.claims.values() if c.request_id != but for e in c.entries
                          if e is not None)
 
-    def _entry(self, session: str, kind: str) -> HeldEntry | None:
-        """The session's entry of ``kind`` in the pool, else in the host tier, else None."""
+    def _entry(self, session: str, kind: str, exact: bool = False) -> HeldEntry | None:
+        """The session's entry of ``kind`` in the pool, else in the host tier, else None; with
+        ``exact``, only an entry an exact request held (none with moved K/V)."""
         entry = self.bound.get(session, kind)
         if entry is None and self.host is not None:
             entry = self.host.get(session, kind)
-        return entry
+        return None if entry is None or (exact and not entry.exact) else entry
 
     def _drop(self, session: str, kind: str | None = None) -> None:
         self.bound.drop(session, kind)
@@ -144,13 +154,16 @@ class ReuseScheduler:
             return 0
         need = -(-request.num_tokens // self.block_size) + 1
         self.held.make_room(need, keep=p.session if p else None, protect=self._claimed(but=request.request_id))
-        if p is None or not p.spans or p.prime or request.num_preemptions:
+        if p is None or p.prime or request.num_preemptions or (not p.spans and (p.keep or not self.retain)):
             return 0
         self.claims.pop(request.request_id, None)
-        claim, why = self._plan(request, p, num_computed, need)
-        if claim is None and why in PREFIX_FALLBACKS:
-            claim = self._prefix(request, p, num_computed, need)
-        self.outcomes[request.request_id] = Outcome(claim.end - claim.start if claim else 0, why)
+        if p.spans:
+            claim, why = self._plan(request, p, num_computed, need)
+            if claim is None and why in PREFIX_FALLBACKS:
+                claim = self._prefix(request, p, num_computed, need)
+            self.outcomes[request.request_id] = Outcome(claim.end - claim.start if claim else 0, why)
+        else:
+            claim = self._retained(request, p, num_computed, need)
         if claim is None:
             return 0
         self.held.pin([e for e in claim.entries if e is not None and e.valid])
@@ -171,12 +184,12 @@ class ReuseScheduler:
             return None, "geometry"
         if self.bound.budget <= 0:
             return None, "no_budget"
-        prompt = self._entry(p.session, PROMPT)
+        prompt = self._entry(p.session, PROMPT, p.exact)
         if prompt is None:
             return None, self.bound.missing_reason(p.session)
         if p.held is None or p.held != prompt.identity:   # before anything is read from it
             return None, "held_mismatch"
-        prime = self._entry(p.session, PRIME) if any(n for _, _, n in p.spans) else None
+        prime = self._entry(p.session, PRIME, p.exact) if any(n for _, _, n in p.spans) else None
         return self._claim(request, p, [prompt, prime], _spans(p), start, need)
 
     def _prefix(self, request: Request, p: Params, start: int, need: int) -> Claim | None:
@@ -184,8 +197,20 @@ class ReuseScheduler:
         shares with the held prompt from the start, at the same positions (no rotation; the K/V of
         a position depend on the tokens up to it only), which vLLM's cache under the branch's
         approximate salt may not hold yet (its first moved edit)."""
-        prompt = self._entry(p.session, PROMPT)
+        prompt = self._entry(p.session, PROMPT, p.exact)
         return None if prompt is None else self._claim(request, p, [prompt, None], (), start, need)[0]
+
+    def _retained(self, request: Request, p: Params, start: int, need: int) -> Claim | None:
+        """A turn with no edit: what its prompt shares with the session's held prompt from the
+        start, past vLLM's own hit (blocks vLLM handed out during the session's pause, read back
+        from the host tier; or cached under another salt), at the same positions."""
+        if self.unsupported is not None or self.geometry is not None or self.bound.budget <= 0:
+            return None
+        prompt = self._entry(p.session, PROMPT, p.exact)
+        claim = None if prompt is None else self._claim(request, p, [prompt, None], (), start, need)[0]
+        if claim is not None:
+            claim.edit = False
+        return claim
 
     def _claim(self, request: Request, p: Params, entries: list[HeldEntry | None], spans: tuple[Span, ...],
                start: int, need: int) -> tuple[Claim | None, str | None]:
@@ -215,11 +240,13 @@ class ReuseScheduler:
             return
         if num_external <= 0:
             del self.claims[request.request_id]
-            self.outcomes[request.request_id] = Outcome(0, None)    # its own prefix hit covered it
+            if claim.edit:
+                self.outcomes[request.request_id] = Outcome(0, None)    # its own prefix hit covered it
         elif claim.start + num_external < claim.end:
             claim.end = claim.start + num_external
             claim.runs = clip(claim.runs, claim.end)
-            self.outcomes[request.request_id] = Outcome(num_external, None)
+            if claim.edit:
+                self.outcomes[request.request_id] = Outcome(num_external, None)
 
     # -- each step -------------------------------------------------------------------------
     def build_loads(self, out: SchedulerOutput) -> list[LoadSpec]:
@@ -237,6 +264,8 @@ class ReuseScheduler:
                                 [e is not None and not e.valid for e in claim.entries])
                 loads.append(spec)
                 self.loading[new.req_id] = spec
+                if not claim.edit:
+                    self.retained[new.req_id] = claim.end - claim.start
                 restored = [i for i, e in enumerate(claim.entries) if e is not None and not e.valid and e.host_blocks]
                 if self.host is not None and restored:
                     self.host.counts["restores"] += 1
@@ -256,7 +285,11 @@ class ReuseScheduler:
         """The workers could not write these blocks; vLLM recomputes the requests that claimed them."""
         for req_id, spec in self.loading.items():
             if spec.dst_block_ids(self.block_size) & invalid_block_ids:
-                self.outcomes[req_id] = Outcome(0, "load_failed")
+                if req_id in self.retained:
+                    self.retained[req_id] = 0
+                    self.stats.add("retain_failed", 1)
+                else:
+                    self.outcomes[req_id] = Outcome(0, "load_failed")
 
     def pressure(self) -> bool:
         """vLLM cannot allocate for a running request: give held blocks back instead of preempting."""
@@ -269,6 +302,10 @@ class ReuseScheduler:
 
         self.claims.pop(request.request_id, None)
         self.loading.pop(request.request_id, None)
+        retained = self.retained.pop(request.request_id, 0)
+        if retained:
+            self.stats.add("retained_tokens", retained)
+            self.stats.add("retained_turns", 1)
         p = params_of(request.kv_transfer_params)
         ok = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
                                 RequestStatus.FINISHED_REPETITION)
@@ -279,7 +316,7 @@ class ReuseScheduler:
             kind = PRIME if p.prime else PROMPT
             if self.host is not None:
                 self.host.drop(p.session, kind)
-            self.held.hold(p.session, kind, ids, block_ids)
+            self.held.hold(p.session, kind, ids, block_ids, exact=p.exact)
         outcome = self.outcomes.pop(request.request_id, None)
         if p is not None and p.prime and self.held is not None:   # what the front's blend plans need
             entry = self._entry(p.session, PROMPT)
@@ -317,3 +354,4 @@ class ReuseScheduler:
         if self.host is not None:
             self.host.clear()
         self.claims.clear()
+        self.retained.clear()

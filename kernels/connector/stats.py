@@ -6,6 +6,8 @@ API server's Prometheus registry (vLLM's ``/metrics``, which agentkv's ``/metric
   could not supply, so vLLM recomputed them, by reason (``params.FALLBACKS``);
 - ``vllm:agentkv_kv_reused_tokens_total``: prompt tokens whose K/V the connector moved;
 - ``vllm:agentkv_kv_held_blocks``: block references held now;
+- retention (turns with no edit): ``vllm:agentkv_kv_retained_tokens_total``, ``..._retained_turns_total``
+  and ``..._retain_failed_total``;
 - the host tier (``host_tier``): ``vllm:agentkv_kv_spilled_blocks_total``, ``..._restored_blocks_total``,
   ``..._dropped_blocks_total`` and ``..._restores_total`` (counted by the scheduler side),
   ``vllm:agentkv_kv_host_blocks`` (in use now), and from the worker side, summed over workers,
@@ -22,15 +24,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from .params import FALLBACKS
 
-COUNTERS = ("spilled_blocks", "restored_blocks", "dropped_blocks", "restores", "restore_bytes", "restore_seconds")
+COUNTERS = ("spilled_blocks", "restored_blocks", "dropped_blocks", "restores", "restore_bytes", "restore_seconds",
+            "retained_tokens", "retained_turns", "retain_failed")
 GAUGES = ("held_blocks", "host_blocks")
 _HELP = {
     "spilled_blocks": "KV blocks of held prompts copied to agentkv's host tier as vLLM took them back",
-    "restored_blocks": "KV blocks agentkv's connector read back from its host tier after an edit",
+    "restored_blocks": "KV blocks agentkv's connector read back from its host tier for a session's next turn",
     "dropped_blocks": "KV blocks the host tier could not keep (full, or an entry larger than it)",
     "restores": "Loads that read K/V from agentkv's host tier",
     "restore_bytes": "Bytes of K/V moved from agentkv's host tier into vLLM's blocks",
     "restore_seconds": "Seconds the workers spent moving K/V from the host tier into vLLM's blocks (summed)",
+    "retained_tokens": "Prompt tokens of turns with no edit whose K/V agentkv's connector read back from the "
+                       "session's held prompt (pool or host tier) past vLLM's own prefix hit",
+    "retained_turns": "Turns with no edit that read back K/V of the session's held prompt",
+    "retain_failed": "Turns with no edit whose read-back failed on a worker (vLLM recomputed them)",
     "held_blocks": "KV block references agentkv's connector holds for sessions' next turns",
     "host_blocks": "Blocks of agentkv's host tier in use",
 }

@@ -14,6 +14,7 @@ import asyncio
 import ctypes
 import fcntl
 import importlib.metadata
+import json
 import logging
 import os
 import secrets
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import httpx
 
+from agentkv.kernels.connector.params import transfer_config
 from agentkv.server.config import ServeConfig, agentkv_home, env_var
 from agentkv.server.kv_modes import kv_mode
 
@@ -202,7 +204,10 @@ def engine_args(cfg: ServeConfig, model_path: str, device: str, socket_path: str
         argv += ["--max-model-len", str(cfg.max_model_len)]
     if device == "cuda":
         argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
-    argv += kv_mode(cfg.kv_reuse).engine_args(cfg)   # the KV connector, when the server's mode uses it
+    if cfg.kv_connector:   # agentkv's KV connector: retention, or a mode that moves K/V
+        argv += ["--kv-transfer-config", json.dumps(transfer_config(cfg.kv_hold_fraction, cfg.kv_hold_ttl_s,
+                                                                    cfg.kv_offload_bytes, cfg.kv_retention))]
+    argv += kv_mode(cfg.kv_reuse).engine_args(cfg)
     if cfg.enforce_eager if cfg.enforce_eager is not None else device == "cpu":
         argv.append("--enforce-eager")
     return argv + list(cfg.engine_args)

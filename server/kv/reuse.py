@@ -1,8 +1,11 @@
 """KV reuse after clearing, the front's part: say which edit happened; the connector does the rest.
 
-Every chat request of a session (in ``shift`` or ``blend`` mode) names the session to the engine's
-KV connector (``agentkv.kernels.connector.plugin``), which holds the blocks of the session's last prompt
-in vLLM's pool. When clearing edits the prompt, the front sends the edit: spans of the previous
+Every chat request of a session (in every mode with retention, ``--kv-retention``; else in ``shift``
+or ``blend`` mode) names the session to the engine's KV connector, and whether it is exact (its
+cache salt is the exact one: it reads only K/V held by exact requests). The connector
+(``agentkv.kernels.connector.plugin``) holds the blocks of the session's last prompt in vLLM's pool
+(then its host tier) and reads back what vLLM's prefix cache lost of them on the session's next
+turn. When clearing edits the prompt (``shift``, ``blend``), the front sends the edit: spans of the previous
 prompt and how many replacement (placeholder) tokens each got. The placeholders' K/V are computed
 by a short priming request first: the shared prefix plus all placeholders back to back, held by the
 connector beside the prompt. The connector, which sees vLLM's own token ids and blocks, decides
@@ -128,14 +131,18 @@ async def attach(cfg: ServeConfig, engine, body: dict, prepared, mode: KVMode | 
     if not cfg.kv_connector:
         if reuse.uses_connector and prepared.edits:
             log.warning("kv_reuse %s asked (session %s), but this server runs without the KV connector "
-                        "(--kv-reuse %s): recomputing", reuse.name, prepared.session_id, cfg.kv_reuse)
+                        "(--kv-reuse %s --no-kv-retention): recomputing", reuse.name, prepared.session_id,
+                        cfg.kv_reuse)
             KV_FALLBACKS.labels("connector_disabled").inc()
             for kv in _kv_reports(prepared):
                 kv.update(mode=Recompute.name, requested=reuse.name, fallback="connector_disabled")
         return
+    # held for the session's next turn; exact where the salt is (its K/V all computed, none moved)
+    params = Params(session_token(prepared.branch), exact=body["cache_salt"] == salts.exact)
     if not reuse.uses_connector:
+        if cfg.kv_retention:      # recompute: held and read back, never edited
+            body["kv_transfer_params"] = params.to_wire()
         return
-    params = Params(session_token(prepared.branch))
     if prepared.edits:
         edits = sorted(prepared.edits, key=lambda e: e.start)
         params = dataclasses.replace(params, spans=tuple((e.start, e.end, len(e.replacement_ids)) for e in edits),

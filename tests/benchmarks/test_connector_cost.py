@@ -1,5 +1,6 @@
 """The connector-cost benchmark: requests that never clear, A/B between a server with the KV
-connector and one without (same model and settings), at its --quick size; and its summary."""
+connector (the default: retention) and one without (``--no-kv-retention``, same model and
+settings), at its --quick size; and its summary."""
 
 from __future__ import annotations
 
@@ -10,22 +11,10 @@ import pytest
 from agentkv.benchmarks.connector_cost import paired, summarize
 from agentkv.server.cli import main
 
-from conftest import start_server
-
-SETTINGS = ("--model", "agentkv-tiny", "--max-model-len", "2048")
-
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    on = start_server(tmp_path_factory.mktemp("cost-on"), *SETTINGS, "--kv-reuse", "shift")
-    try:
-        off = start_server(tmp_path_factory.mktemp("cost-off"), *SETTINGS)
-    except BaseException:
-        on.stop()
-        raise
-    yield on, off
-    on.stop()
-    off.stop()
+def servers(server, no_connector_server):
+    return server, no_connector_server
 
 
 def test_quick_run_pairs_every_request_and_reports_the_goal(servers, tmp_path):
@@ -41,7 +30,7 @@ def test_quick_run_pairs_every_request_and_reports_the_goal(servers, tmp_path):
         s = r["summary"][key]
         assert s["pairs"] == 6 and s["median_paired_ratio"] > 0
         assert s["goal_met"] == (s["cost"] <= 0.03)
-    # the "on" server held each turn's blocks for the next: its engine counts them
+    # the "on" server (the default) held each turn's blocks for the next: its engine counts them
     held = [float(line.rsplit(" ", 1)[1]) for line in on.http().get("/metrics").text.splitlines()
             if line.startswith("vllm:agentkv_kv_held_blocks{")]
     assert held and held[0] > 0

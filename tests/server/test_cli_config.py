@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -92,10 +93,11 @@ def test_the_engine_reserves_the_same_cores_whatever_the_kv_mode(monkeypatch):
         monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
         envs = []
         for mode in ("recompute", "shift", "blend"):
-            eng = EngineProcess(ServeConfig(kv_reuse=mode), "/m", "cpu")
-            envs.append(eng.env()["VLLM_CPU_NUM_OF_RESERVED_CPU"])
-            eng.stop()
-        assert envs == [default] * 3
+            for retention in (True, False):      # the connector loaded, or (recompute) not
+                eng = EngineProcess(ServeConfig(kv_reuse=mode, kv_retention=retention), "/m", "cpu")
+                envs.append(eng.env()["VLLM_CPU_NUM_OF_RESERVED_CPU"])
+                eng.stop()
+        assert envs == [default] * 6
     eng = EngineProcess(ServeConfig(engine_reserved_cores=1, kv_reuse="shift"), "/m", "cpu")
     assert eng.env()["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
     eng.stop()
@@ -202,3 +204,17 @@ def test_a_socket_folder_whose_owner_lives_is_never_removed(tmp_path):
     finally:
         other.kill()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_default_server_loads_the_connector_and_computes_on_every_core(server):
+    """Retention loads the KV connector in the default mode; vLLM, left alone, would then reserve a
+    core more for it. On a machine of up to 4 cores the engine binds its compute threads to every
+    core it may run on, as it did before the connector was loaded in every mode."""
+    log = server.log_path.read_text(errors="replace")
+    assert "AgentKVConnector" in log and "'retain': True" in log
+    bound = re.search(r"local_rank=0, core ids=\[([0-9, ]*)\]", log)
+    assert bound, "vLLM logged no thread binding"
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) <= 4:
+        assert [int(c) for c in bound.group(1).split(",")] == cores
+        assert "reserve_cpu_num=0" in log

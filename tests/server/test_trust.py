@@ -7,6 +7,7 @@ SmolLM2 with the connector: a 1-layer model cannot show what moved K/V do to lat
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import pytest
@@ -114,10 +115,16 @@ def test_the_key_file_takes_hex_and_refuses_what_is_not_a_key(tmp_path):
 
 
 # -- exactness on a deep model --------------------------------------------------------------------
+BLOCK, POOL_BLOCKS = 128, 72   # SmolLM2's 8,192-token window plus 8 blocks: one long request takes the pool
+
+
 @pytest.fixture(scope="module")
-def real_shift_server(tmp_path_factory):
-    """SmolLM2-135M (30 layers) with the connector: shifted K/V are approximate past layer 0."""
-    srv = start_server(tmp_path_factory.mktemp("real-shift"), "--kv-reuse", "shift", model=REAL)
+def real_kv_server(tmp_path_factory):
+    """SmolLM2-135M (30 layers), the default mode (recompute) with the connector that retention
+    loads, on a pool of 72 blocks with a host tier of about 40: shifted K/V (``kv_reuse: shift`` per
+    request) are approximate past layer 0, and K/V read back from the host tier are exact."""
+    srv = start_server(tmp_path_factory.mktemp("real-kv"), f"--engine-arg=--num-gpu-blocks-override={POOL_BLOCKS}",
+                       "--kv-offload-gib", "0.22", model=REAL)
     yield srv
     srv.stop()
 
@@ -152,28 +159,100 @@ def _top(body: dict) -> dict[str, float]:
     return {t["token"]: t["logprob"] for t in body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]}
 
 
-def test_a_recompute_request_never_reads_moved_kv(real_shift_server):
+def test_a_recompute_request_never_reads_moved_kv(real_kv_server):
     """After a shift turn under key A, the same request asked with ``recompute`` under key A gives
     the logprobs key B gets computing it from scratch, and its cached tokens stop before the first
     cleared result: the blocks the shift filled (approximate past layer 0) are under a salt no
     exact request uses. On c095b51 both requests read the shifted blocks as a prefix hit."""
     msgs, later = _conversation(), _conversation() + [{"role": "user", "content": "Which service is slow?"}]
     sid = f"x-{uuid.uuid4().hex[:8]}"
-    _ask(real_shift_server, None, sid, msgs, NONE, "shift")
-    shifted = _ask(real_shift_server, None, sid, later, CLEAR, "shift")
+    _ask(real_kv_server, None, sid, msgs, NONE, "shift")
+    shifted = _ask(real_kv_server, None, sid, later, CLEAR, "shift")
     (edit,) = shifted["context_management"]["applied_edits"]
     assert edit["kv"]["fallback"] is None and edit["kv"]["reused_tokens"] > 0, edit["kv"]
     first = min(edit["edits"], key=lambda e: e["start"])
     placeholder_end = first["start"] + first["replacement_tokens"]   # the exact priming request holds up to here
 
-    exact_a = _ask(real_shift_server, None, f"{sid}-again", later, CLEAR, "recompute")
-    exact_b = _ask(real_shift_server, OTHER_KEY, sid, later, CLEAR, "recompute")
+    exact_a = _ask(real_kv_server, None, f"{sid}-again", later, CLEAR, "recompute")
+    exact_b = _ask(real_kv_server, OTHER_KEY, sid, later, CLEAR, "recompute")
     assert exact_b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0      # key B never saw any of it
     assert exact_a["usage"]["prompt_tokens_details"]["cached_tokens"] <= placeholder_end
-    a, b = _top(exact_a), _top(exact_b)
+    _same(exact_a, exact_b)
+    # the same conversation's next turn asked exactly: the prompt its branch holds came from the
+    # shift turn (moved K/V), so retention reads none of it back (what it has cached is exact_a's)
+    retained = _metric(real_kv_server, "vllm:agentkv_kv_retained_tokens_total")
+    again = later + [{"role": "assistant", "content": "billing"}, {"role": "user", "content": "And auth?"}]
+    _same(_ask(real_kv_server, None, sid, again, CLEAR, "recompute"),
+          _ask(real_kv_server, OTHER_KEY, f"{sid}-ref", again, CLEAR, "recompute"))
+    time.sleep(1)
+    assert _metric(real_kv_server, "vllm:agentkv_kv_retained_tokens_total") == retained
+
+
+def _same(a_body: dict, b_body: dict, tol: float = 2e-3) -> None:
+    a, b = _top(a_body), _top(b_body)
     assert list(a)[0] == list(b)[0] and set(a) == set(b)
     for tok in a:
-        assert abs(a[tok] - b[tok]) < 2e-3, (tok, a[tok], b[tok])
+        assert abs(a[tok] - b[tok]) < tol, (tok, a[tok], b[tok])
+
+
+def _metric(server, name: str, at_least: float = 0.0) -> float:
+    """A counter of the engine's; vLLM records them as it processes outputs: up to 30 s for it to
+    reach ``at_least``."""
+    deadline = time.monotonic() + 30
+    while True:
+        value = sum(float(line.rsplit(" ", 1)[1]) for line in server.http().get("/metrics").text.splitlines()
+                    if line.startswith(name + "{") or line.startswith(name + " "))
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)
+
+
+def _greedy(server, key: str | None, sid: str, msgs: list[dict]) -> dict:
+    r = server.http(**({"api_key": key} if key else {})).post("/v1/chat/completions", headers={"X-Session-Id": sid},
+                                                               json={"model": REAL, "messages": msgs, "max_tokens": 8,
+                                                                     "temperature": 0, "logprobs": True,
+                                                                     "top_logprobs": 3, "context_management": NONE})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _tokens(body: dict) -> list[tuple[str, dict[str, float]]]:
+    return [(t["token"], {x["token"]: x["logprob"] for x in t["top_logprobs"]})
+            for t in body["choices"][0]["logprobs"]["content"]]
+
+
+def test_a_turn_read_back_from_the_host_tier_is_exact(real_kv_server, real_server):
+    """Retention in the default mode (recompute): a session's held prompt, taken by another key's
+    long request during the session's pause, is spilled to the host tier, and the next turn (no
+    edit) reads it back: its prompt tokens are cached, and its greedy answer and every logprob are
+    those of a fresh server computing everything (the default server, another process)."""
+    msgs = _conversation()
+    sid = f"r-{uuid.uuid4().hex[:8]}"
+    first = _greedy(real_kv_server, None, sid, msgs)
+    held = first["usage"]["prompt_tokens"]
+    before = {n: _metric(real_kv_server, f"vllm:agentkv_kv_{n}_total") for n in ("spilled_blocks", "restores",
+                                                                                  "retained_tokens")}
+    big = real_kv_server.http(api_key=OTHER_KEY).post("/v1/chat/completions", json={
+        "model": REAL, "messages": [{"role": "user", "content": "ok " * 7000}], "max_tokens": 1,
+        "context_management": NONE})
+    assert big.status_code == 200, big.text
+    assert big.json()["usage"]["prompt_tokens"] + held > (POOL_BLOCKS - 1) * BLOCK   # it took the held blocks
+    spilled = before["spilled_blocks"] + held // BLOCK
+    assert _metric(real_kv_server, "vllm:agentkv_kv_spilled_blocks_total", spilled) >= spilled
+    later = msgs + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": "Which service is slow? Answer with its name."}]
+    restored = _greedy(real_kv_server, None, sid, later)
+    assert restored["usage"]["prompt_tokens_details"]["cached_tokens"] >= held // BLOCK * BLOCK
+    assert _metric(real_kv_server, "vllm:agentkv_kv_restores_total", before["restores"] + 1) >= before["restores"] + 1
+    retained = before["retained_tokens"] + held // BLOCK * BLOCK
+    assert _metric(real_kv_server, "vllm:agentkv_kv_retained_tokens_total", retained) >= retained
+    fresh = _greedy(real_server, None, f"fresh-{sid}", later)
+    assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert restored["choices"][0]["message"]["content"] == fresh["choices"][0]["message"]["content"]
+    for (tok_a, top_a), (tok_b, top_b) in zip(_tokens(restored), _tokens(fresh), strict=True):
+        assert tok_a == tok_b and set(top_a) == set(top_b)
+        for t in top_a:
+            assert abs(top_a[t] - top_b[t]) < 2e-3, (t, top_a[t], top_b[t])
 
 
 # -- sessions: what one conversation can see of another -------------------------------------------

@@ -1,6 +1,6 @@
 """The host tier's bookkeeping (scheduler side): host blocks given to entries the pool took back,
-the copies queued for the step, the bound (least recently spilled dropped first, never an entry a
-planned load reads), and the counts reported as metrics. The copies themselves and restoring
+the copies queued for the step, the bound (dropped in retention order: the longest paused session
+first, never an entry a planned load reads), and the counts reported as metrics. The copies themselves and restoring
 through the real engine: test_inprocess.py and tests/server/kv/test_reuse_engine.py."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ def pool() -> BlockPool:
     return BlockPool(num_gpu_blocks=33, enable_caching=True, hash_block_size=BS)   # 32 + the null block
 
 
-def entry(pool: BlockPool, session: str, blocks: int, kind: str = PROMPT) -> HeldEntry:
-    return HeldEntry(session, kind, list(range(blocks * BS)), pool.get_new_blocks(blocks), held_at=0.0)
+def entry(pool: BlockPool, session: str, blocks: int, kind: str = PROMPT, held_at: float = 0.0) -> HeldEntry:
+    return HeldEntry(session, kind, list(range(blocks * BS)), pool.get_new_blocks(blocks), held_at=held_at)
 
 
 def test_a_spill_gets_host_blocks_and_queues_one_copy_per_block(pool):
@@ -33,7 +33,7 @@ def test_a_spill_gets_host_blocks_and_queues_one_copy_per_block(pool):
     assert tier.take_counts()["spilled_blocks"] == 0                     # counts are since the last report
 
 
-def test_full_the_least_recently_spilled_go_first_but_never_one_a_load_reads(pool):
+def test_full_the_oldest_pause_goes_first_but_never_one_a_load_reads(pool):
     tier = HostTier(8)
     a, b, c = entry(pool, "a", 3), entry(pool, "b", 3), entry(pool, "c", 4)
     tier.spill(a)
@@ -44,6 +44,25 @@ def test_full_the_least_recently_spilled_go_first_but_never_one_a_load_reads(poo
     assert not tier.spill(entry(pool, "d", 2), protect=frozenset({id(a), id(c)}))   # nothing it may drop
     assert tier.get("d", PROMPT) is None and tier.used == 7
     assert tier.take_counts() == {"spilled_blocks": 10, "restored_blocks": 0, "dropped_blocks": 3 + 2, "restores": 0}
+
+
+def test_the_session_paused_longest_goes_first_whatever_the_order_of_spills(pool):
+    """Retention order: an entry spilled late (it stayed pinned in the pool within the budget) but
+    held early belongs to the session whose pause began first: it goes before one held later."""
+    tier = HostTier(8)
+    recent = entry(pool, "recent", 3, held_at=20.0)
+    old = entry(pool, "old", 3, held_at=5.0)
+    tier.spill(recent)
+    tier.spill(old)                                                        # spilled after the recent one
+    assert tier.spill(entry(pool, "new", 4, held_at=30.0))
+    assert tier.get("old", PROMPT) is None and tier.get("recent", PROMPT) is recent
+    # held at the same moment: the larger goes (one session loses its K/V, not two)
+    tier = HostTier(8)
+    small, large = entry(pool, "small", 2, held_at=1.0), entry(pool, "large", 4, held_at=1.0)
+    tier.spill(small)
+    tier.spill(large)
+    assert tier.spill(entry(pool, "next", 3, held_at=2.0))
+    assert tier.get("large", PROMPT) is None and tier.get("small", PROMPT) is small
 
 
 def test_an_entry_larger_than_the_tier_is_dropped_and_the_others_stay(pool):

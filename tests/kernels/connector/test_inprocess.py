@@ -181,3 +181,58 @@ def test_held_blocks_vllm_takes_back_are_restored_from_the_host_tier(llm):
     finally:
         reuse.host = None
         engine.collective_rpc(_worker_host_tier, kwargs={"drop": True})
+
+
+def _hand_out_the_pool(engine) -> None:
+    """Every held entry released, then every free block handed out and freed again unwritten: the
+    held prompts are spilled to the host tier (in the next step) and gone from vLLM's prefix cache."""
+    sched = engine.llm_engine.engine_core.engine_core.scheduler
+    reuse, pool = sched.connector.scheduler, sched.kv_cache_manager.block_pool
+    reuse.held.release_all("test")
+    taken = pool.get_new_blocks(pool.get_num_free_blocks())
+    pool.free_blocks(reversed(taken))
+
+
+def test_a_turn_with_no_edit_reads_back_from_the_host_tier_what_the_prefix_cache_lost(llm):
+    """Retention: the session's held prompt, spilled while its blocks went to others, comes back for
+    its next turn (no edit: same tokens at the same positions) with the logprobs of a fresh
+    computation; an entry an approximate request held is never read by an exact one."""
+    from agentkv.kernels.connector.host_tier import HostTier
+
+    engine, renderer = llm
+    reuse = engine.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+    bs = reuse.block_size
+    reuse.host = HostTier(48)
+    assert engine.collective_rpc(_worker_host_tier, kwargs={"make": 48}) == [48]
+    msgs = [{"role": "system", "content": "agent"}, {"role": "user", "content": "run the checks"}]
+    msgs += turn(0) + turn(1) + turn(2)
+    ids = renderer.render(msgs).token_ids
+    later = renderer.render(msgs + turn(3)).token_ids
+    assert later[:len(ids)] == ids
+    try:
+        generate(engine, ids, {"session": "x1", "exact": True}, "x1")          # held, exact
+        _hand_out_the_pool(engine)
+        assert reuse.host.get("x1", "prompt").exact
+        got, cached, report = generate(engine, later, {"session": "x1", "exact": True}, "x1")
+        want, ref_cached, _ = generate(engine, later, None, "ref-x1")
+        assert ref_cached == 0 and cached == len(ids) // bs * bs, (cached, len(ids))   # every full held block
+        assert report is None or "agentkv" not in report                      # a turn with no edit reports nothing
+        assert max(got, key=got.get) == max(want, key=want.get)
+        for tok in set(got) & set(want):
+            assert abs(got[tok] - want[tok]) < 1e-5, (tok, got[tok], want[tok])
+        assert reuse.host.get("x1", "prompt") is None                          # read, then superseded
+
+        # held by an approximate request (moved K/V may be in it): an exact request does not read it,
+        # an approximate one does
+        generate(engine, ids, {"session": "x2"}, "x2-approx")
+        _hand_out_the_pool(engine)
+        assert not reuse.host.get("x2", "prompt").exact
+        _, cached, _ = generate(engine, later, {"session": "x2", "exact": True}, "x2-exact")
+        assert cached == 0
+        generate(engine, ids, {"session": "x3"}, "x3-approx")
+        _hand_out_the_pool(engine)
+        _, cached, _ = generate(engine, later, {"session": "x3"}, "x3-approx")
+        assert cached == len(ids) // bs * bs
+    finally:
+        reuse.host = None
+        engine.collective_rpc(_worker_host_tier, kwargs={"drop": True})

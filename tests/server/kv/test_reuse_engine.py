@@ -203,9 +203,18 @@ def test_another_conversation_under_the_same_id_is_a_branch_with_nothing_held(sh
     fallback(shift_server, "not_held", conversation("agent, v1"), conversation("other agent, v2") + LATER)
 
 
+def refused_by_the_engine(server, msgs, sid) -> None:
+    """A turn the front sends on and vLLM refuses (a token id out of the vocabulary): the branch's
+    last prompt is now this one, which the connector never saw, let alone held."""
+    r = server.http().post("/v1/chat/completions", headers={"X-Session-Id": sid}, json={
+        "model": "agentkv-tiny", "messages": msgs, "max_tokens": 1, "cache_salt": sid, "logit_bias": {"99999": 1},
+        "context_management": NONE, "kv_reuse": "shift"})
+    assert r.status_code == 400 and "logit_bias" in r.text, r.text
+
+
 def test_a_held_prompt_that_is_not_the_last_one_sent_supplies_only_the_prefix_they_share(shift_server):
-    """The branch's last prompt went to the engine without the connector holding it (``recompute``
-    asked for it): the prompt still held is an older one, and the edit, computed against the last
+    """The branch's last prompt went to the engine without the connector holding it (vLLM refused
+    its request): the prompt still held is an older one, and the edit, computed against the last
     one, is refused (on c095b51 it was planned against the older one). The fallback still reads
     what recompute would have read: the tokens the older prompt shares with this one from the start,
     at their own positions (the request's approximate salt has none of them cached yet, issue 39:
@@ -213,7 +222,7 @@ def test_a_held_prompt_that_is_not_the_last_one_sent_supplies_only_the_prefix_th
     msgs = conversation("agent. " + "Check every service and report what is slow. " * 30)   # > 1 block before the edit
     sid = f"h-{uuid.uuid4().hex[:8]}"
     ask(shift_server, msgs, sid, NONE, "shift")                                   # held
-    ask(shift_server, msgs + [{"role": "user", "content": "and the logs?"}], sid, NONE, "recompute")  # not held
+    refused_by_the_engine(shift_server, msgs + [{"role": "user", "content": "and the logs?"}], sid)   # not held
     later = msgs + [{"role": "user", "content": "and the logs?"}] + LATER
     body = ask(shift_server, later, sid, CLEAR, "shift")
     report = kv_report(body)
@@ -222,13 +231,26 @@ def test_a_held_prompt_that_is_not_the_last_one_sent_supplies_only_the_prefix_th
     same_logprobs(body, recomputed(shift_server, later[:-1], later))
 
 
+def test_a_recompute_turn_is_held_too_and_the_next_shift_edit_moves_its_kv(shift_server):
+    """With retention every turn is held, a ``recompute`` one included (exact K/V): a ``shift``
+    edit after it moves the K/V of that prompt, the last one sent."""
+    msgs = conversation()
+    sid = f"rh-{uuid.uuid4().hex[:8]}"
+    ask(shift_server, msgs, sid, NONE, "shift")
+    middle = msgs + [{"role": "user", "content": "and the logs?"}]
+    ask(shift_server, middle, sid, NONE, "recompute")                             # held (exact)
+    later = middle + LATER
+    body = ask(shift_server, later, sid, CLEAR, "shift")
+    report = kv_report(body)
+    assert report["fallback"] is None and report["reused_tokens"] >= 512, report
+    same_logprobs(body, recomputed(shift_server, middle, later))
+
+
 def fill_the_pool(server, held: dict) -> None:
-    """A request of another key that needs more blocks than are free: the held ones go to it. It is
-    not held itself (``recompute``): held, it would be spilled too, and fill the small host tier."""
-    big = [{"role": "user", "content": "ok " * 3900}]                # ~7,800 tokens
-    r = server.http().post("/v1/chat/completions", json={
-        "model": "agentkv-tiny", "messages": big, "max_tokens": 1, "cache_salt": uuid.uuid4().hex,
-        "context_management": NONE, "kv_reuse": "recompute"})
+    """A request of no session (``/v1/completions``) that needs more blocks than are free: the held
+    ones go to it. It is not held itself: held, it would be spilled too, and fill the small host tier."""
+    r = server.http().post("/v1/completions", json={
+        "model": "agentkv-tiny", "prompt": "ok " * 3900, "max_tokens": 1, "cache_salt": uuid.uuid4().hex})
     assert r.status_code == 200, r.text
     blocks = -(-held["usage"]["prompt_tokens"] // 128)
     assert r.json()["usage"]["prompt_tokens"] > (POOL_BLOCKS - 1 - blocks) * 128   # more than the free blocks
@@ -275,7 +297,8 @@ def test_streamed_shift_is_reused_and_counted(shift_server):
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 128
 
 
-def test_recompute_only_server_falls_back_with_a_log_line(server):
+def test_a_server_without_the_connector_falls_back_with_a_log_line(no_connector_server):
+    server = no_connector_server
     msgs = conversation(lines=10)
     r = server.http().post("/v1/chat/completions", headers={"X-Session-Id": f"d-{uuid.uuid4().hex[:8]}"}, json={
         "messages": msgs + LATER, "max_tokens": 1, "context_management": CLEAR, "kv_reuse": "shift"})
