@@ -1,12 +1,13 @@
-"""Record a real agent client's session: the pinned client (Claude Code, Codex) runs against a
-scripted upstream of ours that answers its main loop with a fixed sequence of tool calls, so the
-client runs the tools for real (reading files, searching, running commands in a real source tree)
-and sends its real requests, results included; every request is recorded.
+"""Record a real agent client's session: the pinned client (Claude Code, Codex, opencode, pi) runs
+against a scripted upstream of ours that answers its main loop with a fixed sequence of tool calls,
+so the client runs the tools for real (reading files, searching, running commands in a real source
+tree) and sends its real requests, results included; every request is recorded.
 
 ``agentkv bench sessions --record CLIENT --tree DIR``: writes
 ``benchmarks/data/sessions/<client>-<version>.json.xz`` (the main loop's requests, in order, as
 sent: path, the headers that matter, body). The upstream speaks just enough of each API: Anthropic
-Messages (streamed or not; ``count_tokens``) for Claude Code, Responses (streamed) for Codex.
+Messages (streamed or not; ``count_tokens``) for Claude Code, Responses (streamed) for Codex, Chat
+Completions (streamed) for opencode and pi, so the recorded set covers the three APIs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CLIENTS = REPO / "tests" / "clients"
 DATA = Path(__file__).resolve().parent / "data" / "sessions"
-KEPT_HEADERS = ("anthropic-beta", "anthropic-version", "x-claude-code-session-id", "session_id", "originator")
+KEPT_HEADERS = ("anthropic-beta", "anthropic-version", "x-claude-code-session-id", "session_id", "originator",
+                "x-session-id")
 
 # What the scripted model asks for, turn by turn, in a source tree (paths relative to its root):
 # reading, searching and listing, as an agent looking into a library does.
@@ -71,6 +73,14 @@ class Script:
             if kind == "read":
                 return "Read", {"file_path": str(self.tree / arg), "limit": READ_LINES}
             return "Bash", {"command": f"cd {self.tree} && {arg}", "description": "look at the source"}
+        if client == "opencode":
+            if kind == "read":
+                return "read", {"filePath": str(self.tree / arg), "limit": READ_LINES}
+            return "bash", {"command": arg, "workdir": str(self.tree), "description": "look at the source"}
+        if client == "pi":
+            if kind == "read":
+                return "read", {"path": str(self.tree / arg), "limit": READ_LINES}
+            return "bash", {"command": f"cd {self.tree} && {arg}"}
         cmd = f"sed -n 1,{READ_LINES}p {arg}" if kind == "read" else arg
         return "exec_command", {"cmd": cmd, "workdir": str(self.tree)}
 
@@ -123,7 +133,30 @@ def _responses(body: dict, script: Script, main: bool) -> list:
                                     "response": {**response, "status": "completed", "output": [item], "usage": usage}})]
 
 
-def upstream(script: Script, record: list) -> ThreadingHTTPServer:
+def _chat(body: dict, script: Script, main: bool, client: str) -> list:
+    """A Chat Completions answer as its stream: a tool call of the script, or the final text."""
+    done = sum(1 for m in body.get("messages") or [] if m.get("role") == "assistant" and m.get("tool_calls"))
+    call = script.call(done, client) if main else None
+    cid, model = f"chatcmpl-{uuid.uuid4().hex[:20]}", body.get("model")
+
+    def chunk(delta: dict, finish: str | None = None) -> tuple[None, dict]:
+        return None, {"id": cid, "object": "chat.completion.chunk", "created": 0, "model": model,
+                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    if call is None:
+        events = [chunk({"role": "assistant", "content": ""}), chunk({"content": FINAL if main else "ok"}),
+                  chunk({}, "stop")]
+    else:
+        tool = {"index": 0, "id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                "function": {"name": call[0], "arguments": json.dumps(call[1])}}
+        events = [chunk({"role": "assistant", "content": None, "tool_calls": [tool]}), chunk({}, "tool_calls")]
+    if (body.get("stream_options") or {}).get("include_usage"):
+        events.append((None, {"id": cid, "object": "chat.completion.chunk", "created": 0, "model": model,
+                              "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}))
+    return events
+
+
+def upstream(script: Script, record: list, client: str = "") -> ThreadingHTTPServer:
     """The scripted upstream on a free local port (``server_address``); ``record`` gets each
     main-loop request."""
 
@@ -165,6 +198,8 @@ def upstream(script: Script, record: list) -> ThreadingHTTPServer:
                     self._send(200, json.dumps(message).encode(), "application/json")
             elif path.endswith("/responses"):
                 self._send(200, _sse(_responses(body, script, main)), "text/event-stream")
+            elif path.endswith("/chat/completions"):
+                self._send(200, _sse(_chat(body, script, main, client)) + b"data: [DONE]\n\n", "text/event-stream")
             else:
                 self._send(404, b"{}", "application/json")
 
@@ -185,6 +220,24 @@ def run_client(client: str, base: str, tree: Path, home: Path, prompt: str, turn
                     "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"})
         cmd = [str(bin_dir / "claude"), "-p", prompt, "--model", "agentkv-tiny", "--max-turns", str(turns + 2),
                "--allowedTools", "Read", "Bash", "--output-format", "json"]
+    elif client == "opencode":
+        config = home / "opencode.json"
+        config.write_text(json.dumps({"$schema": "https://opencode.ai/config.json", "provider": {"upstream": {
+            "npm": "@ai-sdk/openai-compatible", "name": "upstream",
+            "options": {"baseURL": f"{base}/v1", "apiKey": "sk-record"},
+            "models": {"agentkv-tiny": {"name": "agentkv-tiny", "limit": {"context": 1000000, "output": 4096}}}}}}))
+        env.update({"OPENCODE_CONFIG": str(config), "OPENCODE_DISABLE_MODELS_FETCH": "1",
+                    "OPENCODE_DISABLE_AUTOUPDATE": "1"})
+        opencode = CLIENTS / "node_modules" / "opencode-linux-x64" / "bin" / "opencode"
+        cmd = [str(opencode), "run", "-m", "upstream/agentkv-tiny", "--format", "json", prompt]
+    elif client == "pi":
+        agent = home / "pi-agent"
+        agent.mkdir(parents=True, exist_ok=True)
+        (agent / "models.json").write_text(json.dumps({"providers": {"upstream": {
+            "baseUrl": f"{base}/v1", "api": "openai-completions", "apiKey": "sk-record",
+            "models": [{"id": "agentkv-tiny", "contextWindow": 1000000, "maxTokens": 4096}]}}}))
+        env.update({"PI_CODING_AGENT_DIR": str(agent), "PI_OFFLINE": "1"})
+        cmd = [str(bin_dir / "pi"), "--provider", "upstream", "--model", "agentkv-tiny", "--mode", "json", "-p", prompt]
     else:
         codex_home = home / "codex"
         codex_home.mkdir(parents=True, exist_ok=True)
@@ -205,7 +258,8 @@ wire_api = "responses"
                           capture_output=True, text=True)
 
 
-PACKAGES = {"claude-code": "@anthropic-ai/claude-code", "codex": "@openai/codex"}
+PACKAGES = {"claude-code": "@anthropic-ai/claude-code", "codex": "@openai/codex", "opencode": "opencode-linux-x64",
+            "pi": "@mariozechner/pi-coding-agent"}
 PROMPT = ("Look into how this library's prefix cache decides which blocks a request reuses, "
           "and summarize it in one line.")
 
@@ -214,7 +268,7 @@ def record(client: str, tree: Path, home: Path, out_dir: Path = DATA, steps=STEP
     """Run ``client`` once against the scripted upstream (``steps`` tool calls) in ``tree``; write
     its session."""
     requests: list = []
-    httpd = upstream(Script(tree.resolve(), steps), requests)
+    httpd = upstream(Script(tree.resolve(), steps), requests, client)
     try:
         proc = run_client(client, f"http://127.0.0.1:{httpd.server_address[1]}", tree, home, PROMPT, len(steps))
     finally:

@@ -1,8 +1,8 @@
 """Real agent sessions replayed: what each turn costs through agentkv (recompute, shift) and through
 vLLM reached directly, against the floor.
 
-A session is a real client's recorded requests (``benchmarks/data/sessions``: Claude Code and Codex
-doing real work in a source tree, see ``session_record``), sent again turn by turn, as recorded, to
+A session is a real client's recorded requests (``benchmarks/data/sessions``: Claude Code, Codex,
+opencode and pi doing real work in a source tree, see ``session_record``), sent again turn by turn, as recorded, to
 each arm: ``vllm`` (vLLM's own API server, same model and window, no agentkv), ``recompute`` and
 ``shift`` (agentkv with its default policy and that KV mode), and ``floor`` (agentkv on a window the
 session never fills, context management off: the prefix cache serves everything but the new
@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .harness import Endpoint, machine, machine_line, print_table, pyplot, start_logged, wait_ready, write_results
-from .session_record import DATA, load
+from .session_record import DATA, PACKAGES, load
 
 ARMS = ("vllm", "recompute", "shift", "shift-no-tier", "floor")
 DEFAULT_ARMS = ("vllm", "recompute", "shift", "floor")   # shift-no-tier: shift without the host tier, on demand
@@ -45,7 +45,8 @@ def copy_of(request: dict, k: int, model: str, run: str) -> tuple[str, dict, dic
     headers = {h: v for h, v in request["headers"].items() if h.lower() != "x-claude-code-session-id"}
     tag = f"[session {k}] "
     body["model"], body["stream"] = model, False
-    if "messages" in body:        # Anthropic Messages (Claude Code)
+    path = request["path"].split("?")[0]
+    if path.endswith("/messages"):        # Anthropic Messages (Claude Code)
         body["max_tokens"] = 1
         body.pop("thinking", None)
         system = body.get("system")
@@ -55,6 +56,17 @@ def copy_of(request: dict, k: int, model: str, run: str) -> tuple[str, dict, dic
             body["system"] = tag + system
         sid = (request["headers"].get("x-claude-code-session-id") or "s") + f"-{run}-{k}"
         headers["x-claude-code-session-id"] = sid
+    elif path.endswith("/chat/completions"):      # Chat Completions (opencode, pi)
+        body.pop("max_completion_tokens", None)
+        body["max_tokens"] = 1
+        body.pop("stream_options", None)
+        first = body["messages"][0]
+        if isinstance(first.get("content"), str):
+            first["content"] = tag + first["content"]
+        else:
+            first["content"] = [{"type": "text", "text": tag}, *first["content"]]
+        if "x-session-id" in {h.lower() for h in headers}:    # opencode names its session; pi does not
+            headers = {h: (f"{v}-{run}-{k}" if h.lower() == "x-session-id" else v) for h, v in headers.items()}
     else:                          # Responses (Codex)
         body["max_output_tokens"] = 16   # the Responses API's smallest
         first = body["input"][0]
@@ -62,12 +74,14 @@ def copy_of(request: dict, k: int, model: str, run: str) -> tuple[str, dict, dic
         first["content"][0] = {**part, "text": tag + part["text"]}
         body["prompt_cache_key"] = f"{body.get('prompt_cache_key') or 's'}-{run}-{k}"
         body["store"] = False
-    return request["path"].split("?")[0], headers, body
+    return path, headers, body
 
 
 def usage_of(payload: dict) -> tuple[int, int]:
-    """(prompt tokens, of which cached) from a Messages or Responses answer."""
+    """(prompt tokens, of which cached) from a Messages, Responses or Chat Completions answer."""
     u = payload.get("usage") or {}
+    if "prompt_tokens" in u:                                              # Chat Completions
+        return u["prompt_tokens"] or 0, (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     if "input_tokens_details" in u or "output_tokens_details" in u:     # Responses
         return u.get("input_tokens") or 0, (u.get("input_tokens_details") or {}).get("cached_tokens") or 0
     cached = u.get("cache_read_input_tokens") or 0
@@ -315,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
                          f"of {POOL_BLOCK}); default the engine's own (1 GiB on a CPU: millions of tokens of the "
                          "test model). Make it a few windows to have sessions compete for blocks as on a GPU")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--record", choices=("claude-code", "codex"), help="record a session instead (see --tree)")
+    ap.add_argument("--record", choices=sorted(PACKAGES), help="record a session instead (see --tree)")
     ap.add_argument("--tree", type=Path, help="--record: the source tree the client works in")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default: benchmarks/results)")
     args = ap.parse_args(argv)

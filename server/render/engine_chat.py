@@ -151,11 +151,14 @@ class EngineChat:
     def _request(self, body: dict[str, Any]):
         from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.exceptions import VLLMValidationError
 
         try:
             return ChatCompletionRequest.model_validate(_request_copy(body))
         except ValidationError as exc:
             raise ConversationRefused(f"the engine's request model refuses it: {exc.errors()[0].get('msg')}") from None
+        except VLLMValidationError as exc:   # some of its validators raise this, not through pydantic
+            raise ConversationRefused(f"the engine's request model refuses it: {exc}") from None
 
     def chat_text(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
         """The prompt text vLLM renders for ``messages`` and ``tools`` with the server's template

@@ -1,4 +1,4 @@
-"""Real clients' recorded sessions (benchmarks/data/sessions: Claude Code and Codex running real
+"""Real clients' recorded sessions (benchmarks/data/sessions: Claude Code, Codex, opencode and pi running real
 tools in vLLM's source tree) replayed on a `--kv-reuse shift` server whose window they outgrow: every
 turn is answered, the default policy clears in batches (never on two turns in a row), and every
 clearing edit reuses the held K/V (issue 39: on Codex's Responses turns every shift edit fell back
@@ -26,7 +26,7 @@ def shift_server(tmp_path_factory):
     srv.stop()
 
 
-@pytest.mark.parametrize("name", ["codex-0.171.0", "claude-code-2.1.332"])
+@pytest.mark.parametrize("name", ["codex-0.171.0", "claude-code-2.1.332", "opencode-1.18.33", "pi-0.73.1"])
 def test_a_real_client_session_clears_in_batches_and_reuses_its_kv(shift_server, name):
     requests = load(DATA / f"{name}.json.xz")["requests"][:TURNS]
     rows = replay(shift_server.base_url, API_KEY, requests, 0, "agentkv-tiny", 0, 0)

@@ -134,3 +134,15 @@ def test_a_text_part_whose_text_is_not_a_string_is_a_400_on_every_api(small_serv
         assert err["type"] == "error" and "content.0" in err["error"]["message"]
     else:
         assert err["error"]["type"] == "invalid_request_error" and "content" in err["error"]["param"]
+
+
+def test_what_only_the_engines_request_model_refuses_is_its_400_not_a_500(small_server):
+    """``stream_options`` on a request that does not stream: vLLM's request model raises its own
+    validation error (not pydantic's), which the front's render once let through as a 500. Now the
+    request goes to vLLM as messages and its 400 names the field (seen with opencode's recorded
+    requests replayed without streaming)."""
+    r = small_server.http().post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stream": False,
+        "stream_options": {"include_usage": True}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "stream_options" and "stream" in r.json()["error"]["message"]
