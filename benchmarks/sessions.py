@@ -32,8 +32,12 @@ from pathlib import Path
 from .harness import Endpoint, machine, machine_line, print_table, pyplot, start_logged, wait_ready, write_results
 from .session_record import DATA, PACKAGES, load
 
-ARMS = ("vllm", "recompute", "shift", "shift-no-tier", "floor")
-DEFAULT_ARMS = ("vllm", "recompute", "shift", "floor")   # shift-no-tier: shift without the host tier, on demand
+ARMS = ("vllm", "recompute", "shift", "recompute-no-retention", "shift-no-retention", "shift-no-tier", "floor")
+DEFAULT_ARMS = ("vllm", "recompute", "shift", "floor")   # the others: a part turned off, on demand
+SERVE_ARGS = {"shift": ("--kv-reuse", "shift"), "recompute-no-retention": ("--no-kv-retention",),
+              "shift-no-retention": ("--kv-reuse", "shift", "--no-kv-retention"),
+              "shift-no-tier": ("--kv-reuse", "shift", "--kv-offload-gib", "0"),
+              "floor": ("--no-context-management",)}
 FLOOR_WINDOW = 262_144
 POOL_BLOCK = 128          # tokens per KV block where --pool-tokens sets the pool (vLLM's CPU default)
 
@@ -186,25 +190,49 @@ def agentkv_args(arm: str, path: str, model: str, window: int, pool_tokens: int 
              "--max-model-len", str(FLOOR_WINDOW if arm == "floor" else window))
     if arm != "floor":          # the floor is what a session costs with room for everything
         serve += tuple(f"--engine-arg={a}" for a in pool_args(pool_tokens))
-    serve += {"shift": ("--kv-reuse", "shift"), "shift-no-tier": ("--kv-reuse", "shift", "--kv-offload-gib", "0"),
-              "floor": ("--no-context-management",)}.get(arm, ())
+    serve += SERVE_ARGS.get(arm, ())
     # each arm its own session log: a session's view (what was cleared) must not carry over
     return serve + ("--session-db", str(Path(tempfile.mkdtemp(prefix="agentkv-sessions-")) / "sessions.db"))
 
 
+# the connector's counters an arm reports (vllm:agentkv_kv_<name>_total): what came back from where
+CONNECTOR_COUNTS = ("retained_tokens", "retained_turns", "retain_failed", "reused_tokens", "restores",
+                    "restored_blocks", "restore_bytes", "restore_seconds", "spilled_blocks", "dropped_blocks")
+
+
+def connector_counts(url: str, api_key: str | None) -> dict[str, float]:
+    """The KV connector's counters on a running agentkv server (zeros where it runs none)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
+                     timeout=60).text
+    out = dict.fromkeys(CONNECTOR_COUNTS, 0.0)
+    for line in text.splitlines():
+        for name in CONNECTOR_COUNTS:
+            if line.startswith(f"vllm:agentkv_kv_{name}_total"):
+                out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def run_arm(arm: str, sessions: dict[str, list], path: str, model: str, window: int, copies: int, concurrent: int,
-            think_s: float, seed: int, pool_tokens: int | None = None) -> dict[str, list[dict]]:
-    """Each session replayed ``copies`` times on one server of ``arm``, ``concurrent`` at once."""
+            think_s: float, seed: int, pool_tokens: int | None = None) -> tuple[dict[str, list[dict]], dict]:
+    """Each session replayed ``copies`` times on one server of ``arm``, ``concurrent`` at once; and
+    what the server's KV connector counted meanwhile (nothing for vLLM reached directly)."""
     ctx = (VllmDirect(path, model, window, pool_args(pool_tokens)) if arm == "vllm"
            else Endpoint(serve_args=agentkv_args(arm, path, model, window, pool_tokens)))
     jobs = [(name, k) for name in sessions for k in range(copies)]
     out: dict[str, list[dict]] = {name: [] for name in sessions}
+    counts: dict = {}
     with ctx as ep, ThreadPoolExecutor(concurrent) as pool:
-        runs = pool.map(lambda job: replay(ep.url, getattr(ep, "api_key", None), sessions[job[0]], job[1], model,
+        key = getattr(ep, "api_key", None)
+        runs = pool.map(lambda job: replay(ep.url, key, sessions[job[0]], job[1], model,
                                            think_s if concurrent > 1 else 0, seed), jobs)
         for (name, _), rows in zip(jobs, runs):
             out[name].extend(rows)
-    return out
+        if arm != "vllm":
+            time.sleep(2)    # vLLM records the engine's counters as it processes outputs
+            counts = connector_counts(ep.url, key)
+    return out, counts
 
 
 def latency(lat: list[float]) -> dict:
@@ -357,8 +385,9 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         sessions = {p.name.removesuffix(".json.xz"): load(p)["requests"] for p in args.sessions}
     arms = [a for a in ARMS if a in args.arms]
-    rows = {a: run_arm(a, sessions, path, model, args.window, args.copies, args.concurrent, args.think_s, args.seed,
+    runs = {a: run_arm(a, sessions, path, model, args.window, args.copies, args.concurrent, args.think_s, args.seed,
                        args.pool_tokens) for a in arms}
+    rows = {a: r[0] for a, r in runs.items()}
     m = machine()
     result = {"machine": m, "model": model, "window": args.window, "pool_tokens": args.pool_tokens,
               "copies": args.copies,

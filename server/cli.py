@@ -126,6 +126,7 @@ BENCHMARKS = {
     "connector-cost": "agentkv.benchmarks.connector_cost",
     "front": "agentkv.benchmarks.front",
     "sessions": "agentkv.benchmarks.sessions",
+    "capacity": "agentkv.benchmarks.capacity",
     "report": "agentkv.benchmarks.report",
 }
 
