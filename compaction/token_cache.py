@@ -12,8 +12,10 @@ cut and tokenizes the rest alone. The result is the whole text's tokenization, b
   encoded on its own. So the ids of a text are the ids of its pieces, in order.
 - A *cut* is where the previous tokenization produced an added token that splits the text: not
   ``lstrip`` (it would eat the text before it), not ``single_word`` (its match depends on the
-  character after it), not ``normalized`` (matched after normalization, not in the raw text). The
-  previous tokenization is the evidence: the tokenizer itself put that token at that offset.
+  character after it), not ``normalized`` (matched after normalization, not in the raw text), and
+  not a proper prefix of an ``lstrip`` or ``single_word`` added token (the new text may extend it
+  into that one, whose match then depends on the text before the cut). The previous tokenization
+  is the evidence: the tokenizer itself put that token at that offset.
 - A cut at character ``c`` is reused only where the new text equals the previous one byte for byte
   up to the cut token's end, and no added token's text occurs in the new text starting before ``c``
   and ending after it (which would move the split). Then the new text splits at ``c`` as the old
@@ -31,6 +33,7 @@ conversations (``prompt.PromptRenderer``) both tokenize through it.
 
 from __future__ import annotations
 
+import sys
 import threading
 from array import array
 from bisect import bisect_right
@@ -64,8 +67,11 @@ class Splits:
 
     def __init__(self, tokenizer):
         added = dict(getattr(tokenizer, "added_tokens_decoder", None) or {})
+        # tokens whose match depends on what precedes them: a cut may not be a proper prefix of one
+        context = [t.content for t in added.values() if t.content and (t.lstrip or t.single_word)]
         self.cutting = {i: t.content for i, t in added.items()
-                        if t.content and not t.lstrip and not t.single_word and not t.normalized}
+                        if t.content and not t.lstrip and not t.single_word and not t.normalized
+                        and not any(len(c) > len(t.content) and c.startswith(t.content) for c in context)}
         by_first: dict[str, list[str]] = {}
         for t in added.values():
             if len(t.content or "") > 1:
@@ -97,7 +103,9 @@ class Tokenized:
 
     @property
     def nbytes(self) -> int:
-        return len(self.text) + 8 * len(self.ids) + 24 * len(self.cut_chars)
+        """Its memory: the text as Python holds it (1, 2 or 4 bytes a character), the arrays, the cuts."""
+        return (sys.getsizeof(self.text) + self.ids.itemsize * len(self.ids) + self.starts.itemsize * len(self.starts)
+                + 3 * 36 * len(self.cut_chars))
 
 
 @dataclass

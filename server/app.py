@@ -47,7 +47,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
                     "this replica signs compaction items with a key of its own (in $AGENTKV_HOME), and the other "
                     "replicas will refuse them; give every replica the same key file (docs/deploy.md)")
     install_error_handlers(app)
-    app.add_middleware(Edge, max_bytes=int(cfg.max_request_mb * 2**20), keys=cfg.api_key)
+    app.add_middleware(Edge, max_bytes=int(cfg.max_request_mb * 2**20), keys=cfg.api_key,
+                       body_timeout_s=cfg.body_timeout_s)
     app.add_middleware(LastResort)
     app.add_middleware(RequestMetrics)
     for api in (chat, completions, models, messages, responses, sessions):

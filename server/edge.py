@@ -9,7 +9,13 @@ an unauthenticated caller nothing.
    a chunked body is read up to the limit.
 3. **Compressed bodies** (``Content-Encoding: gzip``, ``deflate``, ``zstd``: Codex may compress
    its requests) are inflated off the event loop, never past the limit (a small body that would
-   inflate past it is a 413); one that does not decode is a 400, another encoding a 415.
+   inflate past it is a 413), and wholly: one gzip member and nothing after it, zlib-wrapped or raw
+   deflate (RFC 1950 or 1951: clients send both), zstd frames complete and nothing after them.
+   One that does not decode so is a 400, another encoding a 415.
+   Headers that say how to read the body (``Content-Type``, ``Content-Encoding``,
+   ``Content-Length``) given twice are a 400: the edge and the routes would each read another.
+   A body that takes longer than ``body_timeout_s`` to arrive is a 408 (a slow sender does not
+   hold a connection open forever).
 4. **JSON** is parsed here, off the event loop (msgspec: strict JSON, no ``NaN``, no lone UTF-16
    surrogates; nesting too deep is refused), its work bounded by the size limit; malformed JSON is
    a 400. The routes read the parsed value (``EdgeRoute``), not the bytes again.
@@ -84,16 +90,26 @@ class Refused(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
 
-class Edge:
-    """ASGI middleware doing the module's four steps (``keys``: the accepted API keys)."""
+SINGLE = (b"content-type", b"content-encoding", b"content-length")   # headers a body is read by: at most once
 
-    def __init__(self, app: ASGIApp, max_bytes: int, keys: Sequence[str] = ()):
-        self.app, self.max_bytes, self.keys = app, max_bytes, tuple(keys)
+
+class Edge:
+    """ASGI middleware doing the module's four steps (``keys``: the accepted API keys;
+    ``body_timeout_s``: how long a body may take to arrive)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, keys: Sequence[str] = (), body_timeout_s: float = 60.0):
+        self.app, self.max_bytes, self.keys, self.body_timeout_s = app, max_bytes, tuple(keys), body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
+        raw_headers = scope.get("headers") or []
+        headers = dict(raw_headers)
+        repeated = sorted({k.decode("latin-1") for k in SINGLE if sum(1 for name, _ in raw_headers if name == k) > 1})
+        if repeated:
+            return await self._error(scope, send, Refused(
+                400, f"the header {repeated[0]} is given more than once: the request is ambiguous", "invalid_header",
+                repeated[0]))
         state = scope.setdefault("state", {})
         if scope.get("path", "") not in PUBLIC:
             owner = owner_of_key(self.keys, headers.get(b"authorization", b"").decode("latin-1"),
@@ -126,7 +142,11 @@ class Edge:
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             raise self._too_large()
-        raw = await self._read(receive)
+        try:
+            raw = await asyncio.wait_for(self._read(receive), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise Refused(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                          "request_timeout") from None
         if raw is None:
             return None
         if len(raw) > self.max_bytes:
@@ -180,21 +200,35 @@ class Edge:
         return replay
 
     def _inflate(self, data: bytes, encoding: bytes) -> bytes | None:
-        """The decoded body, or None where it would exceed the limit (never inflated past it)."""
+        """The decoded body, or None where it would exceed the limit (never inflated past it).
+        ``zlib.error`` / ``ZstdError`` where it is not one whole compressed body."""
         if encoding == b"zstd":
             # a bounded window: a frame may not ask for more than 32 MiB of decoder memory
-            reader = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).stream_reader(io.BytesIO(data))
+            reader = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).stream_reader(
+                io.BytesIO(data), read_across_frames=True)
             chunks, n = [], 0
             while n <= self.max_bytes and (chunk := reader.read(min(1 << 20, self.max_bytes + 1 - n))):
                 chunks.append(chunk)
                 n += len(chunk)
-            out = b"".join(chunks)
-        else:
-            d = zlib.decompressobj(zlib.MAX_WBITS | 32 if encoding == b"gzip" else zlib.MAX_WBITS)
-            out = d.decompress(data, self.max_bytes + 1)
-            if not d.eof and len(out) <= self.max_bytes:
-                raise zlib.error("the compressed body is cut short")
-        return None if len(out) > self.max_bytes else out
+            if n > self.max_bytes:
+                return None
+            _whole_zstd(data)   # the reader stops silently at a frame cut short: decoding again (n bytes at most) tells
+            return b"".join(chunks)
+        if encoding == b"gzip":
+            wbits = zlib.MAX_WBITS | 16
+        else:   # HTTP's deflate is zlib-wrapped (RFC 1950); many clients send raw deflate (RFC 1951)
+            wbits = zlib.MAX_WBITS if len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0 \
+                else -zlib.MAX_WBITS
+        d = zlib.decompressobj(wbits)
+        out = d.decompress(data, self.max_bytes + 1)
+        if len(out) > self.max_bytes:
+            return None
+        if not d.eof:
+            raise zlib.error("the compressed body is cut short")
+        if d.unused_data:
+            raise zlib.error(f"{len(d.unused_data)} bytes follow the compressed body" + (
+                " (a second gzip member)" if encoding == b"gzip" and d.unused_data[:2] == b"\x1f\x8b" else ""))
+        return out
 
     def _too_large(self) -> Refused:
         return Refused(413, f"request body exceeds {self.max_bytes} bytes", "request_too_large")
@@ -203,9 +237,23 @@ class Edge:
     async def _error(scope: Scope, send: Send, exc: Refused) -> None:
         body = json.dumps(error_body_for(scope.get("path", ""), exc.status, exc.message, exc.param,
                                          code=exc.code)).encode()
-        await send({"type": "http.response.start", "status": exc.status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if exc.status == 408:   # the rest of the body may still come: not on this connection
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": exc.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def _whole_zstd(data: bytes) -> None:
+    """``ZstdError`` unless ``data`` is complete zstd frames and nothing else (its output is known
+    to be small: the bounded read decoded it)."""
+    rest = data
+    while rest:
+        d = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).decompressobj()
+        d.decompress(rest)
+        if not d.eof:
+            raise zstandard.ZstdError("the compressed body is cut short (an incomplete zstd frame)")
+        rest = d.unused_data
 
 
 class _ParsedRequest(Request):

@@ -29,14 +29,19 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     503: "overloaded_error", 529: "overloaded_error"}
 
 
+# how long a client should wait before trying again when the engine is down or being relaunched
+ENGINE_RETRY_AFTER_S = 10
+
+
 class APIError(Exception):
     """Raise anywhere in a route to answer with an OpenAI-style error."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 error_code: str | None = None):
+                 error_code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code or error_code
         self.error_code = error_code   # Anthropic's ``error.details.error_code`` (on /v1/messages)
+        self.headers = headers
 
 
 class PromptTooLong(APIError):
@@ -97,7 +102,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         if isinstance(exc, PromptTooLong) and request.url.path.startswith("/v1/messages"):
             return JSONResponse(anthropic_error_body(exc.status, exc.anthropic_message), status_code=exc.status)
-        return _respond(request, exc.status, exc.message, exc.param, exc.code, error_code=exc.error_code)
+        return _respond(request, exc.status, exc.message, exc.param, exc.code, headers=exc.headers,
+                        error_code=exc.error_code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -37,6 +37,7 @@ os.environ.setdefault("AGENTKV_MODELS", str(models_dir()))
 API_KEY = "sk-agentkv-test"
 OTHER_KEY = "sk-agentkv-other"
 STARTUP_TIMEOUT_S = 900
+SMALL_BODY_TIMEOUT_S = 6   # the small server's --body-timeout-s
 
 
 def _free_port() -> int:
@@ -276,8 +277,8 @@ ENGINE_REQUEST_LOGGING = {
 @pytest.fixture(scope="session")
 def small_server(tmp_path_factory, request) -> Server:
     """A second server for the reliability tests: a 1024-token window (every generation is short,
-    so fuzzing cannot make a request run for minutes) and its session log on PostgreSQL where
-    one is available (SQLite otherwise)."""
+    so fuzzing cannot make a request run for minutes), a body deadline of 6 s and its session log
+    on PostgreSQL where one is available (SQLite otherwise)."""
     with contextlib.ExitStack() as stack:
         try:
             db = stack.enter_context(new_database(request.getfixturevalue("postgres_url")))
@@ -287,6 +288,7 @@ def small_server(tmp_path_factory, request) -> Server:
         logging_config = home / "vllm-logging.json"   # the engine logs each request body it receives
         logging_config.write_text(json.dumps(ENGINE_REQUEST_LOGGING))
         srv = start_server(home, "--max-model-len", "1024", "--engine-arg=--enable-log-requests",
+                           "--body-timeout-s", str(SMALL_BODY_TIMEOUT_S),
                            *(["--session-db", db] if db else []),
                            env={"VLLM_LOGGING_CONFIG_PATH": str(logging_config)})
         srv.session_db = db or str(home / "sessions.db")

@@ -24,6 +24,8 @@ Held blocks vLLM takes back are copied to a host tier (``host_tier.HostTier`` pl
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +41,8 @@ from .params import DEFAULTS
 from .scheduler import ReuseScheduler
 from .stats import AgentKVPromMetrics, AgentKVStats
 from .worker import KVMover, LoadSpec, check_support
+
+FAULT_HANG_ENV = "AGENTKV_FAULT_HANG_FILE"   # tests: while this file exists, a step blocks (a hung engine core)
 
 if TYPE_CHECKING:
     import torch
@@ -92,6 +96,7 @@ class AgentKVConnector(KVConnectorBase_V1):
         else:
             self.mover = KVMover(rope, vllm_config.cache_config.block_size, host_blocks)
         self._failed_blocks: set[int] = set()
+        self._hang_file = os.environ.get(FAULT_HANG_ENV) if role == KVConnectorRole.SCHEDULER else None
 
     @property
     def _sched(self) -> ReuseScheduler:
@@ -126,7 +131,12 @@ class AgentKVConnector(KVConnectorBase_V1):
         self._sched.allocated(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        """End of each schedule(): this step's loads (block ids of held sources and destinations)."""
+        """End of each schedule(): this step's loads (block ids of held sources and destinations).
+        Counts the tokens the step was given (prefill chunks and decodes): the stall watchdog's
+        evidence that the engine steps, chunk by chunk."""
+        self._sched.stats.add("scheduled_tokens", scheduler_output.total_num_scheduled_tokens)
+        while self._hang_file is not None and os.path.exists(self._hang_file):   # a hung engine core (tests)
+            time.sleep(0.2)
         # the spills first: an entry this step's loads read and then give back may have been spilled
         # in this very step (its copies run before the loads on the worker)
         spills = self._sched.take_spills()

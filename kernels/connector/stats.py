@@ -8,6 +8,8 @@ API server's Prometheus registry (vLLM's ``/metrics``, which agentkv's ``/metric
 - ``vllm:agentkv_kv_held_blocks``: block references held now;
 - retention (turns with no edit): ``vllm:agentkv_kv_retained_tokens_total``, ``..._retained_turns_total``
   and ``..._retain_failed_total``;
+- ``vllm:agentkv_kv_scheduled_tokens_total``: tokens the scheduler gave its steps (the stall
+  watchdog's step-level progress: vLLM's own prompt counter moves only when a whole prefill ends);
 - the host tier (``host_tier``): ``vllm:agentkv_kv_spilled_blocks_total``, ``..._restored_blocks_total``,
   ``..._dropped_blocks_total`` and ``..._restores_total`` (counted by the scheduler side),
   ``vllm:agentkv_kv_host_blocks`` (in use now), and from the worker side, summed over workers,
@@ -25,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from .params import FALLBACKS
 
 COUNTERS = ("spilled_blocks", "restored_blocks", "dropped_blocks", "restores", "restore_bytes", "restore_seconds",
-            "retained_tokens", "retained_turns", "retain_failed")
+            "retained_tokens", "retained_turns", "retain_failed", "scheduled_tokens")
 GAUGES = ("held_blocks", "host_blocks")
 _HELP = {
     "spilled_blocks": "KV blocks of held prompts copied to agentkv's host tier as vLLM took them back",
@@ -38,6 +40,8 @@ _HELP = {
                        "session's held prompt (pool or host tier) past vLLM's own prefix hit",
     "retained_turns": "Turns with no edit that read back K/V of the session's held prompt",
     "retain_failed": "Turns with no edit whose read-back failed on a worker (vLLM recomputed them)",
+    "scheduled_tokens": "Tokens vLLM's scheduler gave its steps, prefill chunks and decodes alike (agentkv's stall "
+                        "watchdog reads it as the engine's step-level progress)",
     "held_blocks": "KV block references agentkv's connector holds for sessions' next turns",
     "host_blocks": "Blocks of agentkv's host tier in use",
 }

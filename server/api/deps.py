@@ -17,7 +17,7 @@ from fastapi import Depends, Request
 from agentkv.server.edge import OWNER, owner_of_key
 from agentkv.server.engine.client import EngineClient
 from agentkv.server.engine.supervisor import Supervisor
-from agentkv.server.errors import APIError
+from agentkv.server.errors import ENGINE_RETRY_AFTER_S, APIError
 from agentkv.server.pipeline.context import ContextManager
 from agentkv.server.pipeline.state import AppState, app_state
 from agentkv.server.render.engine_chat import EngineChat
@@ -45,7 +45,8 @@ async def owner_of(request: Request) -> str:
 async def get_engine(sup: Annotated[Supervisor, Depends(get_supervisor)]) -> EngineClient:
     if not sup.healthy() or sup.client is None:
         detail = f" ({sup.error})" if sup.error else ""
-        raise APIError(503, f"the inference engine is {sup.state.value}{detail}", code="engine_unavailable")
+        raise APIError(503, f"the inference engine is {sup.state.value}{detail}", code="engine_unavailable",
+                       headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)})
     return sup.client
 
 

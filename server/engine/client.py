@@ -16,9 +16,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from agentkv.server import timing
-from agentkv.server.errors import error_body, error_response
+from agentkv.server.errors import ENGINE_RETRY_AFTER_S, error_body, error_response
 
-from .progress import Inflight
+from .progress import Awaiting
 
 log = logging.getLogger(__name__)
 encode_json = msgspec.json.encode  # compact, UTF-8 (vLLM's own events are too), a few times faster than json
@@ -56,26 +56,37 @@ class EngineUnavailable(Exception):
 
 class EngineResponse:
     """A streamed engine response: ``status_code``, the body in ``chunks()`` as it arrives (or
-    ``read()`` whole); ``close()`` releases its connection (and its place among the requests in
-    flight). Transport errors come out as ``EngineUnavailable``."""
+    ``read()`` whole); ``close()`` releases its connection. Its place among the requests awaiting
+    the engine (``Awaiting``, the stall watchdog's) ends with the first byte of its body, or its
+    end: never later, so a client that stops reading cannot make the engine look busy. Transport
+    errors come out as ``EngineUnavailable``."""
 
-    def __init__(self, resp: aiohttp.ClientResponse, inflight: Inflight | None = None):
+    def __init__(self, resp: aiohttp.ClientResponse, awaiting: Awaiting | None = None):
         self._resp, self.status_code = resp, resp.status
-        # its place in flight ends with ``close()``, or with the object where nobody closed it
-        self._done = weakref.finalize(self, inflight.__exit__, None, None, None) if inflight else None
+        # ends at the first byte, at ``close()``, or with the object where nobody closed it (once)
+        self._answered = weakref.finalize(self, awaiting.leave) if awaiting else None
+
+    def _first_byte(self) -> None:
+        if self._answered is not None:
+            self._answered()
 
     async def read(self) -> bytes:
         try:
             return await self._resp.read()
         except _TRANSPORT as exc:
             raise EngineUnavailable(exc) from exc
+        finally:
+            self._first_byte()
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in self._resp.content.iter_any():
+                self._first_byte()
                 yield chunk
         except _TRANSPORT as exc:
             raise EngineUnavailable(exc) from exc
+        finally:
+            self._first_byte()
 
     async def json(self) -> tuple[int, Any]:
         """(status, the body as JSON or an error body) of a refusal; the connection is handed back."""
@@ -86,8 +97,7 @@ class EngineResponse:
 
     def close(self) -> None:
         self._resp.release()
-        if self._done is not None:
-            self._done()   # once: a finalizer runs at most once
+        self._first_byte()
 
     def fail(self, exc: BaseException) -> None:
         """The next read raises ``exc`` (as ``EngineUnavailable``)."""
@@ -99,9 +109,9 @@ class EngineClient:
     """Talks to one engine on its Unix socket with its secret: one aiohttp session for the front
     (its C HTTP parser reads a streamed chunk for a fraction of a pure-Python client's cost)."""
 
-    def __init__(self, socket_path: str, secret: str, inflight: Inflight | None = None):
+    def __init__(self, socket_path: str, secret: str):
         self.socket_path = socket_path
-        self.inflight = inflight or Inflight()   # work requests (POSTs) open now: the stall watchdog's
+        self.awaiting = Awaiting()   # work requests (POSTs) of this launch with no answer yet: the stall watchdog's
         self._open: weakref.WeakSet[EngineResponse] = weakref.WeakSet()   # responses not yet closed
         # a new connection per request (a Unix socket connects in microseconds): a kept-alive one can
         # be closed by vLLM's keep-alive timeout just as a request is sent on it (seen under load as
@@ -126,17 +136,22 @@ class EngineClient:
 
     async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> EngineResponse:
         data = None if body is None else encode_json(body)
-        work = self.inflight if method == "POST" else None
+        if self._http.closed:   # a request of a route that started before the engine was relaunched
+            raise EngineUnavailable(aiohttp.ClientConnectionError("the engine was relaunched since this request "
+                                                                  "began"))
+        work = self.awaiting if method == "POST" else None
         if work is not None:
-            work.__enter__()
+            work.enter()
         timing.mark("engine_sent")
         try:
             resp = await self._http.request(method, path, data=data, headers=None if body is None else JSON)
         except BaseException as exc:
             if work is not None:
-                work.__exit__(None, None, None)
+                work.leave()
             if isinstance(exc, _TRANSPORT):
                 raise EngineUnavailable(exc) from exc
+            if isinstance(exc, RuntimeError) and self._http.closed:   # closed while it was being sent
+                raise EngineUnavailable(aiohttp.ClientConnectionError("the engine was relaunched")) from exc
             raise
         timing.mark("engine_answered")
         out = EngineResponse(resp, work)
@@ -171,7 +186,8 @@ def unavailable_message(exc: EngineUnavailable) -> str:
 
 def unavailable(exc: EngineUnavailable) -> JSONResponse:
     log.warning("the engine could not be reached: %s", exc)
-    return error_response(503, unavailable_message(exc), code="engine_unavailable")
+    return error_response(503, unavailable_message(exc), code="engine_unavailable",
+                          headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)})
 
 
 def stream_error(exc: EngineUnavailable) -> bytes:

@@ -47,5 +47,13 @@ class EngineModelClient:
             return self._client
 
     def complete(self, messages: list[Message], max_tokens: int, cache_salt: str | None = None) -> str:
-        with self.supervisor.inflight:   # work at the engine, for the stall watchdog
-            return self._current().complete(messages, max_tokens, cache_salt)
+        client = self._current()
+        engine = self.supervisor.client
+        awaiting = engine.awaiting if engine is not None else None   # work at this launch's engine (the watchdog's)
+        if awaiting is not None:
+            awaiting.enter()
+        try:
+            return client.complete(messages, max_tokens, cache_salt)   # not streamed: its answer is all at once
+        finally:
+            if awaiting is not None:
+                awaiting.leave()

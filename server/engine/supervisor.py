@@ -18,13 +18,19 @@ from agentkv.server.metrics import ENGINE_RESTARTS, ENGINE_STALLS, ENGINE_STARTS
 
 from .client import EngineClient, EngineUnavailable
 from .process import EngineError, EngineProcess, resolve_device
-from .progress import DEFAULT_STALL_S, Inflight, ProgressWatch, look, tokens_of
+from .progress import DEFAULT_STALL_S, EngineReading, ProgressWatch, look, reading_of
 
 log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.5
 RESTART_WINDOW_S = 3600.0
 RELAUNCH_DELAY_S = 2.0  # after a relaunch that failed, before the next try
 METRICS_DEADLINE_S = 5.0   # the stall watchdog's read of the engine's counters
+
+
+def read_every_s(stall_s: float) -> float:
+    """How often the watchdog reads the engine's counters while it has work: often enough to judge
+    a stretch of ``stall_s``, rarely enough to cost the engine nothing (6 s at the default 120 s)."""
+    return min(6.0, max(WATCH_INTERVAL_S, stall_s / 20))
 
 
 class EngineState(str, Enum):
@@ -66,7 +72,6 @@ class Supervisor:
         self.model_known = asyncio.Event()  # set once model_path is (the tokenizer can load meanwhile)
         self.max_model_len: int = 0
         self._crashes: deque[float] = deque()
-        self.inflight = Inflight()   # requests the front has at the engine (the stall watchdog's "work")
 
     def start(self) -> None:
         self.state = EngineState.STARTING
@@ -111,21 +116,25 @@ class Supervisor:
     async def _watch(self, engine: EngineProcess) -> str | None:
         """Wait while the engine lives; None when it exits, else why it is stuck (``progress``)."""
         device = engine.device if engine.device in DEFAULT_STALL_S else "cuda"
-        watch = ProgressWatch(self.cfg.engine_stall_s or DEFAULT_STALL_S[device], device)
+        stall_s = self.cfg.engine_stall_s or DEFAULT_STALL_S[device]
+        watch, every, next_read = ProgressWatch(stall_s), read_every_s(stall_s), 0.0
         while engine.alive():
             await asyncio.sleep(WATCH_INTERVAL_S)
             if engine.proc is None:
                 continue
             procs = await asyncio.to_thread(look, engine.proc.pid)
-            inflight = self.inflight.n
-            tokens = await self._tokens() if watch.needs_tokens(procs, inflight) else None
-            stuck = watch.observe(inflight, procs, tokens)
+            awaiting = self.client.awaiting.n if self.client is not None else 0   # this launch's
+            read = watch.wants_reading(awaiting) and time.monotonic() >= next_read
+            reading = await self._reading() if read else None
+            if read:
+                next_read = time.monotonic() + every
+            stuck = watch.observe(awaiting, procs, reading, read)
             if stuck and engine.alive():
                 return stuck
         return None
 
-    async def _tokens(self) -> float | None:
-        """The engine's token counters, or None where it does not answer within the deadline."""
+    async def _reading(self) -> EngineReading | None:
+        """The engine's work and progress counters, or None where it does not answer within the deadline."""
         client = self.client
         if client is None:
             return None
@@ -133,7 +142,7 @@ class Supervisor:
             status, text = await asyncio.wait_for(client.get_text("/metrics"), METRICS_DEADLINE_S)
         except (asyncio.TimeoutError, EngineUnavailable):
             return None
-        return tokens_of(text) if status == 200 else None
+        return reading_of(text) if status == 200 else None
 
     def _kill_stuck(self, why: str) -> None:
         """Stuck is handled as a crash: refuse new requests at once, kill the engine's whole process
@@ -187,7 +196,7 @@ class Supervisor:
             self.engine = self.engine_factory(self.cfg, self.model_path, resolve_device(self.cfg.device))
             ENGINE_STARTS.inc()
             await self.engine.start()
-            client = EngineClient(self.engine.socket_path, self.engine.secret, self.inflight)
+            client = EngineClient(self.engine.socket_path, self.engine.secret)
             try:
                 _, models = await client.get_json("/v1/models")
                 self.max_model_len = int(models["data"][0]["max_model_len"])

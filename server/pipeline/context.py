@@ -48,7 +48,7 @@ class Prepared:
     compaction: Message | None = None  # the summary a compact edit wrote in this request
     compact_edit: EditKind | None = None  # ... and that edit
     prompt_ids: list[int] = field(default_factory=list)  # the final view prompt (want_ids: bench front)
-    branch: str = ""        # the conversation branch's key (its view state): what KV reuse holds blocks for
+    branch: str = ""        # the conversation branch's identity (``Synced.identity``): what KV reuse holds blocks for
     moved: bool = False     # moved K/V may be in this request's prompt (the branch's, or this request's edit)
     moved_before: bool = False  # ... already before this request (its priming request reads them)
     held: tuple[int, str] | None = None  # (tokens, prompt_hash) of the branch's previous prompt (``identity``)
@@ -221,7 +221,7 @@ class ContextManager:
             report["failed_edits"] = run.failed
         ids = renderer.render(view, tools).token_ids if want_ids else []
         return Prepared(synced.key, synced.id, view, report, run.kv_edits, run.old_ids, run.summary, run.compact_edit,
-                        ids, synced.branch, work.moved, synced.state.moved,
+                        ids, synced.identity, work.moved, synced.state.moved,
                         tuple(synced.state.sent) if synced.state.sent else None)
 
     def _write_summary(self, renderer: PromptRenderer, synced, messages: list[Message], tools: list | None,

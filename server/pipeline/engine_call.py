@@ -26,7 +26,7 @@ from agentkv.server.engine.client import (
     decode_json,
     unavailable_message,
 )
-from agentkv.server.errors import error_body
+from agentkv.server.errors import ENGINE_RETRY_AFTER_S, error_body
 from agentkv.server.kv.reuse import continued, take_outcome
 from agentkv.server.metrics import observe_usage
 
@@ -50,11 +50,13 @@ class Refusal:
 
     status: int
     body: dict
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 def unreachable(exc: EngineUnavailable) -> Refusal:
     log.warning("the engine could not be reached: %s", exc)
-    return Refusal(503, error_body(503, unavailable_message(exc), code="engine_unavailable"))
+    return Refusal(503, error_body(503, unavailable_message(exc), code="engine_unavailable"),
+                   {"Retry-After": str(ENGINE_RETRY_AFTER_S)})
 
 
 @dataclass

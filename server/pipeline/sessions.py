@@ -118,6 +118,7 @@ class ViewState:
     sent: list | None = None   # [tokens, prompt_hash] of the last view prompt sent: what the connector holds
     moved: bool = False        # a shift/blend edit went to the connector: moved K/V are in this branch's cache
     version: int = 0           # bumped by every save: an edit is saved only onto the state it was made on
+    ident: str = ""            # drawn when the branch is made: its state key may be reused, its identity never
 
     @classmethod
     def load(cls, raw: dict | None) -> ViewState:
@@ -125,17 +126,17 @@ class ViewState:
             return cls()
         return cls(raw["keys"], {int(k): v for k, v in raw["replaced"].items()}, raw["summary"],
                    raw["summary_start"], raw["summary_end"], raw.get("sent"), raw.get("moved", False),
-                   raw.get("version", 0))
+                   raw.get("version", 0), raw.get("ident", ""))
 
     def dump(self) -> dict:
         return {"keys": self.keys, "replaced": {str(k): v for k, v in self.replaced.items()},
                 "summary": self.summary, "summary_start": self.summary_start, "summary_end": self.summary_end,
-                "sent": self.sent, "moved": self.moved, "version": self.version}
+                "sent": self.sent, "moved": self.moved, "version": self.version, "ident": self.ident}
 
     def copy(self) -> ViewState:
         """A copy an edit can change without touching this one (messages are never changed in place)."""
         return ViewState(list(self.keys), dict(self.replaced), self.summary, self.summary_start, self.summary_end,
-                         self.sent, self.moved, self.version)
+                         self.sent, self.moved, self.version, self.ident)
 
     def forget_from(self, n: int) -> None:
         """The conversation diverged at index n: edits at or after it no longer apply."""
@@ -179,6 +180,12 @@ class Synced:
 
     def __post_init__(self) -> None:
         self.branch = self.branch or self.key
+
+    @property
+    def identity(self) -> str:
+        """What the branch is known by to the KV connector and the cache salts: its state key and the
+        identity drawn when it was made (a state key is reused past ``MAX_BRANCHES``; this never is)."""
+        return f"{self.branch}@{self.state.ident}" if self.state.ident else self.branch
 
 
 class Sessions:
@@ -251,6 +258,7 @@ class Sessions:
             if not continues:
                 state.forget_from(n)
                 state.moved, state.sent = False, None   # a new branch: another salt, nothing held for it yet
+                state.ident = secrets.token_hex(12)     # ... and an identity of its own, whatever its state key
                 branch = _new_branch(key, branches)
         tx.append(key, messages[n:])
         synced = Synced(key, sid, state, branch)

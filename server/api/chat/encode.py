@@ -16,7 +16,7 @@ from agentkv.server.pipeline.turn import Turn
 
 def refusal(r: Refusal, turn: Turn) -> JSONResponse:
     """The engine's refusal as it sent it (OpenAI's error shape already)."""
-    return JSONResponse(r.body, status_code=r.status, headers=turn.headers())
+    return JSONResponse(r.body, status_code=r.status, headers={**turn.headers(), **r.headers})
 
 
 async def complete(turn: Turn) -> Response:

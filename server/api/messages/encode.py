@@ -221,7 +221,8 @@ def refusal(r: Refusal, turn: Turn) -> JSONResponse:
     followed by an error."""
     err = r.body.get("error") if isinstance(r.body, dict) else None
     text = err.get("message") if isinstance(err, dict) else str(r.body)
-    return JSONResponse(anthropic_error_body(r.status, str(text)), status_code=r.status, headers=turn.headers())
+    return JSONResponse(anthropic_error_body(r.status, str(text)), status_code=r.status,
+                        headers={**turn.headers(), **r.headers})
 
 
 Done = Callable[[str, "list[dict] | None", "str | None"], Awaitable[None]]   # (message id, content, stop reason)

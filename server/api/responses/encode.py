@@ -226,7 +226,7 @@ def answer_for(req: ResponsesRequest, chat: ChatRequest, head: list[dict],
 
 def refusal(r: Refusal, turn: Turn) -> JSONResponse:
     """The engine's refusal before any answer, in OpenAI's error shape (as it sent it)."""
-    return JSONResponse(r.body, status_code=r.status, headers=turn.headers())
+    return JSONResponse(r.body, status_code=r.status, headers={**turn.headers(), **r.headers})
 
 
 async def complete(turn: Turn, answer: Answer) -> Response:

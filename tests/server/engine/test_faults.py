@@ -50,8 +50,10 @@ def _log(server, sid, **kw) -> list[dict]:
 
 
 def _metric(server, name: str) -> float:
-    line = next(x for x in server.http().get("/metrics").text.splitlines() if x.startswith(name + " "))
-    return float(line.split()[-1])
+    """A metric of the server's ``/metrics`` (the front's and vLLM's), summed over its label sets."""
+    lines = [x for x in server.http().get("/metrics").text.splitlines() if x.startswith((name + " ", name + "{"))]
+    assert lines, f"no {name} in /metrics"
+    return sum(float(x.split()[-1]) for x in lines)
 
 
 COMPACT = {"edits": [{"type": "compact", "trigger": 0, "keep_recent_tokens": 200, "summary_max_tokens": 16}]}
@@ -108,6 +110,7 @@ def test_engine_killed_mid_stream(server):
     with pytest.raises(openai.APIStatusError) as during:                # while restarting: a clean 503
         server.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
     assert during.value.status_code == 503 and during.value.code == "engine_unavailable"
+    assert during.value.response.headers["retry-after"] == "10"          # when to try again
     _wait_health(server, 200)
     assert _engine(server).pid != engine.pid
     ok = server.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
@@ -256,14 +259,18 @@ def _leaf(server) -> psutil.Process:
 
 
 STALL_S = 8   # the stall bound of the server below (the default is 120 s)
+HANG = "hang-the-engine"   # while this file is in the stall server's home, its engine core hangs at its next step
 
 
 @pytest.fixture(scope="module")
 def stall_server(tmp_path_factory):
     """A server whose engine is declared stuck after 8 s without progress: 24 layers of the tiny
-    model, so a long prompt's prefill takes well over that on these CPUs."""
-    srv = start_server(tmp_path_factory.mktemp("agentkv-stall"), "--model", "agentkv-tiny-24l",
-                       "--served-model-name", MODEL, "--engine-stall-s", str(STALL_S))
+    model, so a long prompt's prefill takes well over that on these CPUs. Its engine core blocks
+    at a step while the file ``HANG`` is in its home (the connector's fault hook: a hung, not
+    stopped, engine)."""
+    home = tmp_path_factory.mktemp("agentkv-stall")
+    srv = start_server(home, "--model", "agentkv-tiny-24l", "--served-model-name", MODEL,
+                       "--engine-stall-s", str(STALL_S), env={"AGENTKV_FAULT_HANG_FILE": str(home / HANG)})
     yield srv
     stop_server(srv)
 
@@ -332,8 +339,9 @@ def test_a_stopped_idle_engine_is_noticed_and_relaunched(stall_server):
 
 
 def test_a_long_progressing_prefill_is_not_declared_stuck(stall_server):
-    """A prompt whose prefill takes several stall bounds on these CPUs: its worker computes the
-    whole time, so nothing is declared stuck and the request is answered."""
+    """A prompt whose prefill takes several stall bounds on these CPUs: vLLM's prompt counter
+    moves only when it ends, but every chunk is a step the watchdog sees (issue 51, W2), so
+    nothing is declared stuck and the request is answered."""
     server = stall_server
     _wait_health(server, 200)
     stalls = _metric(server, "agentkv_engine_stalls_total")
@@ -347,3 +355,85 @@ def test_a_long_progressing_prefill_is_not_declared_stuck(stall_server):
     assert r.json()["usage"]["prompt_tokens"] > 25_000
     assert _metric(server, "agentkv_engine_stalls_total") == stalls
     assert took > 2 * STALL_S, f"the prefill took {took:.1f} s: too short to show anything"
+
+
+def test_a_hung_engine_core_is_found_within_the_bound(stall_server):
+    """Issue 51, W3: the engine core blocks in a step (a hook that never returns; its processes run,
+    none is stopped, its API server answers ``/metrics`` and its idle workers poll). A request
+    sent to it is answered ``engine_unavailable`` once the watchdog found the hang within the
+    bound, and the relaunched engine serves."""
+    server = stall_server
+    _wait_health(server, 200)
+    stalls = _metric(server, "agentkv_engine_stalls_total")
+    hang = server.home / HANG
+    hang.write_text("")
+    try:
+        t0 = time.monotonic()
+        r = server.http().post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "are you there?"}], "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
+        assert time.monotonic() - t0 < STALL_S + 30
+        assert all(p.status() != psutil.STATUS_STOPPED for p in psutil.Process(server.proc.pid).children(True)
+                   if p.is_running())
+        health = _stalled(server, t0, STALL_S)
+        assert "no progress" in health["error"], health
+    finally:
+        hang.unlink()
+    assert _metric(server, "agentkv_engine_stalls_total") == stalls + 1
+    _wait_health(server, 200)
+    r = server.http().post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "back?"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def _stream_never_read(server, body: dict):
+    """A streamed request sent over a raw socket with a small receive buffer, whose answer this
+    side never reads (a client whose laptop slept): the socket, to close later."""
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.base_url)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((url.hostname, url.port))
+    payload = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: agentkv\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {server.api_key}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+                 + payload)
+    return sock
+
+
+def test_a_client_that_never_reads_its_stream_gets_no_engine_killed(stall_server):
+    """Issue 51, W1, through a real engine: a stream whose answer (megabytes of tokens with their
+    logprobs) its client never reads. The engine generates it all and reports nothing running;
+    the front's relay waits on the client. For four stall bounds after that the engine is not
+    declared stuck, not relaunched, and another user's requests are answered."""
+    server = stall_server
+    _wait_health(server, 200)
+    stalls, restarts = _metric(server, "agentkv_engine_stalls_total"), _metric(server, "agentkv_engine_restarts_total")
+    engine = _engine(server)
+    generated = _metric(server, "vllm:generation_tokens_total")
+    sock = _stream_never_read(server, {
+        "model": MODEL, "messages": [{"role": "user", "content": "tell me everything"}], "max_tokens": 2500,
+        "stream": True, "ignore_eos": True, "logprobs": True, "top_logprobs": 20})
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:          # until the engine has generated the whole answer
+            time.sleep(1)
+            if _metric(server, "vllm:generation_tokens_total") >= generated + 2500 and \
+                    _metric(server, "vllm:num_requests_running") == 0:
+                break
+        else:
+            raise AssertionError("the engine did not finish the answer")
+        time.sleep(4 * STALL_S)
+        for _ in range(3):                          # another user is served meanwhile
+            r = server.http().post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        assert httpx.get(f"{server.base_url}/health").status_code == 200
+        assert _metric(server, "agentkv_engine_stalls_total") == stalls
+        assert _metric(server, "agentkv_engine_restarts_total") == restarts
+        assert _engine(server).pid == engine.pid
+    finally:
+        sock.close()

@@ -246,3 +246,24 @@ def test_a_claim_has_one_holder_across_processes_sharing_the_log(log_target):
     one.release("thread-continue:msg_a", first)       # too late: the claim is the second holder's
     assert one.claim("thread-continue:msg_a", 60) is None
     assert one.claim("thread-continue:msg_b", 60) is None
+
+
+def test_a_branch_identity_is_never_reused_when_its_state_key_is(log_target):
+    """Past ``MAX_BRANCHES`` a new branch takes the least recently used branch's state key; its
+    identity (what the KV connector and the approximate cache salt know it by) is its own, so it
+    never reads the old branch's held or moved K/V (issue 51: it took the old one's name, token and
+    salt). A branch that continues keeps its identity turn after turn."""
+    from agentkv.server.pipeline.sessions import MAX_BRANCHES
+
+    sessions = Sessions(open_session_log(log_target))
+    ref = SessionRef("many", "x-session-id")
+    seen: dict[str, set[str]] = {}
+    for i in range(MAX_BRANCHES + 6):
+        s = sessions.sync("o", ref, conv("hello", f"subagent {i}"))
+        seen.setdefault(s.branch, set()).add(s.identity)
+        again = sessions.sync("o", ref, conv("hello", f"subagent {i}") + [{"role": "assistant", "content": "ok"}])
+        assert again.branch == s.branch and again.identity == s.identity    # the same branch, continued
+    assert len(seen) <= MAX_BRANCHES                                        # state keys are bounded...
+    assert any(len(ids) > 1 for ids in seen.values())                       # ... so some were reused
+    identities = [i for ids in seen.values() for i in ids]
+    assert len(identities) == len(set(identities)) == MAX_BRANCHES + 6     # ... but never an identity
