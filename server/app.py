@@ -17,6 +17,7 @@ from .api.chat import router as chat
 from .api.deps import Authorized, SupervisorDep, warm_context
 from .api.messages import router as messages
 from .api.responses import router as responses
+from .api.ui import router as ui
 from .config import ServeConfig
 from .edge import Edge
 from .engine.client import EngineUnavailable
@@ -26,6 +27,7 @@ from .metrics import RequestMetrics, render
 from .pipeline.compaction_item import CompactionSeal, load_key
 from .pipeline.sessions import Sessions
 from .pipeline.state import AppState
+from .ui_auth import UICookie
 
 log = logging.getLogger(__name__)
 
@@ -40,19 +42,23 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         await state.supervisor.stop()
 
     app = FastAPI(title="agentkv", version="0.1.0", lifespan=lifespan)
+    key = load_key(path=cfg.compaction_key_file)
     state = AppState(cfg, Supervisor(cfg), Sessions(open_session_log(cfg.session_db_path)),
-                     CompactionSeal(load_key(path=cfg.compaction_key_file))).install(app)
+                     CompactionSeal(key)).install(app)
+    app.state.ui_cookie = UICookie(key) if cfg.ui else None
     if is_postgres_url(cfg.session_db_path) and not cfg.compaction_key_file:
         log.warning("the session log is on PostgreSQL, which replicas share, but --compaction-key-file is not set: "
                     "this replica signs compaction items with a key of its own (in $AGENTKV_HOME), and the other "
                     "replicas will refuse them; give every replica the same key file (docs/deploy.md)")
     install_error_handlers(app)
     app.add_middleware(Edge, max_bytes=int(cfg.max_request_mb * 2**20), keys=cfg.api_key,
-                       body_timeout_s=cfg.body_timeout_s)
+                       body_timeout_s=cfg.body_timeout_s, ui=app.state.ui_cookie)
     app.add_middleware(LastResort)
     app.add_middleware(RequestMetrics)
     for api in (chat, completions, models, messages, responses, sessions):
         app.include_router(api.router)
+    if cfg.ui:
+        app.include_router(ui.router)
 
     @app.get("/health")
     async def health(sup: SupervisorDep) -> Response:

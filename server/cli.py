@@ -143,6 +143,16 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch(ns: argparse.Namespace) -> int:
+    from .launch import LaunchError, launch
+
+    try:
+        return launch(ns.client, ns.url, ns.api_key, ns.args, ns.bin)
+    except LaunchError as exc:
+        print(f"agentkv launch: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -165,6 +175,19 @@ def build_parser() -> argparse.ArgumentParser:
     listing = model.add_parser("list", help="embedded models and where they are built")
     listing.set_defaults(func=cmd_model_list)
 
+    from .launch import CLIENTS
+
+    launch = sub.add_parser("launch", help="start an agent client against a running agentkv, configured for it",
+                            description="Starts the client with its configuration in its own environment and a "
+                                        "temporary config folder (the user's config files are never changed), "
+                                        "after checking that the served model's window and tool calls suit it.")
+    launch.add_argument("client", choices=sorted(CLIENTS))
+    launch.add_argument("--url", default="http://127.0.0.1:8000", help="the agentkv server (default: %(default)s)")
+    launch.add_argument("--api-key", help="one of the server's --api-key (default: $AGENTKV_API_KEY's first)")
+    launch.add_argument("--bin", help="the client's command (default: on PATH, else setup.sh's pinned copy)")
+    launch.add_argument("args", nargs="*", help="after --: the client's own arguments")
+    launch.set_defaults(func=cmd_launch)
+
     bench = sub.add_parser("bench", help="run a benchmark (JSON + PNG under benchmarks/results/)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own flags (--help)")
@@ -174,7 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    tail: list[str] = []
+    if argv[:1] == ["launch"] and "--" in argv:   # the client's own arguments: not ours to parse
+        argv, tail = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     ns = parser.parse_args(argv)
+    if tail:
+        ns.args = [*ns.args, *tail]
     if ns.command in ("serve", "model"):  # what they write (session log, models, run files) is private
         os.umask(PRIVATE_UMASK)
     try:

@@ -126,6 +126,8 @@ class ServeConfig(BaseModel):
     shared_prefix_cache: bool = Field(False, description="one tenant: requests of every API key share prefix-cache "
                                       "blocks (off: each key's are its own, so no key can time another's prompts)")
     max_request_mb: float = Field(32.0, gt=0, description="largest accepted request body (MiB)")
+    ui: bool = Field(True, description="the sessions page at /ui: each session's turns, edits and KV reuse beside its "
+                                        "log (same keys as the API; a browser signs in once with its key)")
     body_timeout_s: float = Field(60.0, gt=0, description="seconds a request body may take to arrive (then 408): a "
                                   "slow sender cannot hold a connection open forever")
     compaction_key_file: str | None = Field(None, description="the key that signs compaction items: 32 bytes or 64 hex "

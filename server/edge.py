@@ -4,7 +4,9 @@ an unauthenticated caller nothing.
 1. **The key**, from the headers alone (``Authorization: Bearer``, ``x-api-key``), before a byte
    of the body is read: a wrong or missing key is a 401 in the API's own error shape. Every path
    but the health checks (and FastAPI's own docs) needs it. The caller's owner (a digest of the
-   key: sessions, salts and caches are namespaced by it) goes into the request's scope.
+   key: sessions, salts and caches are namespaced by it) goes into the request's scope. Under
+   ``/ui`` (the sessions page, when on) the page's cookie (``ui_auth``) stands for the key too, and
+   a browser without either is sent to ``/ui/login`` (its data requests get the 401).
 2. **The body's size**: a declared ``Content-Length`` over ``--max-request-mb`` is a 413 at once;
    a chunked body is read up to the limit.
 3. **Compressed bodies** (``Content-Encoding: gzip``, ``deflate``, ``zstd``: Codex may compress
@@ -40,10 +42,12 @@ from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import error_body_for
+from .ui_auth import UICookie
 
 ENCODINGS = (b"gzip", b"deflate", b"zstd")
 ZSTD_MAX_WINDOW = 1 << 25
 PUBLIC = ("/health", "/health/live", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+UI, UI_LOGIN, UI_DATA = "/ui", "/ui/login", "/ui/api/"
 OWNER = "agentkv.owner"          # scope["state"] keys the routes read
 PARSED = "agentkv.json"
 _DECODE = msgspec.json.Decoder()
@@ -97,8 +101,10 @@ class Edge:
     """ASGI middleware doing the module's four steps (``keys``: the accepted API keys;
     ``body_timeout_s``: how long a body may take to arrive)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, keys: Sequence[str] = (), body_timeout_s: float = 60.0):
+    def __init__(self, app: ASGIApp, max_bytes: int, keys: Sequence[str] = (), body_timeout_s: float = 60.0,
+                 ui: UICookie | None = None):
         self.app, self.max_bytes, self.keys, self.body_timeout_s = app, max_bytes, tuple(keys), body_timeout_s
+        self.ui = ui   # the sessions page's cookie, where the page is on
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -111,12 +117,20 @@ class Edge:
                 400, f"the header {repeated[0]} is given more than once: the request is ambiguous", "invalid_header",
                 repeated[0]))
         state = scope.setdefault("state", {})
-        if scope.get("path", "") not in PUBLIC:
+        path = scope.get("path", "")
+        if path not in PUBLIC:
             owner = owner_of_key(self.keys, headers.get(b"authorization", b"").decode("latin-1"),
                                  headers.get(b"x-api-key", b"").decode("latin-1"))
-            if owner is None:
+            ui = self.ui
+            page = ui is not None and (path == UI or path.startswith(UI + "/"))
+            if owner is None and ui is not None and page:
+                owner = ui.owner(UICookie.from_header(headers.get(b"cookie", b"").decode("latin-1")))
+                if owner is None and path != UI_LOGIN and not path.startswith(UI_DATA):
+                    return await self._redirect(send, UI_LOGIN)
+            if owner is None and not (page and path == UI_LOGIN):
                 return await self._error(scope, send, Refused(401, "Incorrect API key provided.", "invalid_api_key"))
-            state[OWNER] = owner
+            if owner is not None:
+                state[OWNER] = owner
         if scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):   # no route here reads a body
             return await self.app(scope, receive, send)
         try:
@@ -232,6 +246,12 @@ class Edge:
 
     def _too_large(self) -> Refused:
         return Refused(413, f"request body exceeds {self.max_bytes} bytes", "request_too_large")
+
+    @staticmethod
+    async def _redirect(send: Send, to: str) -> None:
+        headers = [(b"location", to.encode()), (b"content-length", b"0"), (b"cache-control", b"no-store")]
+        await send({"type": "http.response.start", "status": 303, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
 
     @staticmethod
     async def _error(scope: Scope, send: Send, exc: Refused) -> None:

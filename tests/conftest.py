@@ -230,8 +230,9 @@ def log_target(request, tmp_path) -> str:
 @pytest.fixture(scope="session")
 def no_connector_server(tmp_path_factory) -> Server:
     """The ``server`` fixture's settings with no KV connector (``--no-kv-retention``, recompute):
-    what agentkv did before retention, for the tests that compare with it or need it absent."""
-    srv = start_server(tmp_path_factory.mktemp("agentkv-no-connector"), "--no-kv-retention")
+    what agentkv did before retention, for the tests that compare with it or need it absent; and no
+    sessions page (``--no-ui``)."""
+    srv = start_server(tmp_path_factory.mktemp("agentkv-no-connector"), "--no-kv-retention", "--no-ui")
     yield srv
     stop_server(srv)
 

@@ -45,6 +45,11 @@ CREATE TABLE IF NOT EXISTS responses (
 );
 CREATE INDEX IF NOT EXISTS responses_parent ON responses (parent);
 CREATE TABLE IF NOT EXISTS claims (name TEXT PRIMARY KEY, holder TEXT NOT NULL, expires DOUBLE PRECISION NOT NULL);
+CREATE TABLE IF NOT EXISTS turns (
+    id BIGSERIAL PRIMARY KEY, session TEXT NOT NULL, branch TEXT NOT NULL, record TEXT NOT NULL,
+    created DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX IF NOT EXISTS turns_session ON turns ((session COLLATE "C"), id);
 """
 MAX_TERMS_CHARS = 256 * 1024
 SCHEMA_LOCK = 0x6167656E746B76  # "agentkv": replicas starting together create the schema once
@@ -58,6 +63,8 @@ class PostgresLog(SessionLog):
     # byte order whatever the database's collation (a locale's order is not a prefix's key range),
     # served by the views_session_bytes index
     FORKS_SQL = 'SELECT session, state FROM views WHERE session COLLATE "C" >= ? AND session COLLATE "C" < ?'
+    OWNED_SQL = ('SELECT session, MAX(created), COUNT(*) FROM turns WHERE session COLLATE "C" >= ? '
+                 'AND session COLLATE "C" < ? GROUP BY session ORDER BY MAX(created) DESC LIMIT ?')
     LOCAL = False   # a round trip to the database server: never on the event loop
 
     def __init__(self, url: str):

@@ -47,6 +47,9 @@ class SessionLog(ABC):
     # of the primary key, so the lookup costs the same with 10 or 10 million sessions stored (byte
     # order: SQLite's BINARY)
     FORKS_SQL = "SELECT session, state FROM views WHERE session >= ? AND session < ?"
+    # the sessions under one owner's prefix with turns recorded, the most recently active first
+    OWNED_SQL = ("SELECT session, MAX(created), COUNT(*) FROM turns WHERE session >= ? AND session < ? "
+                 "GROUP BY session ORDER BY MAX(created) DESC LIMIT ?")
     # every call is local (no network, no other server to wait on): the request path may make
     # short ones on its event loop
     LOCAL = True
@@ -182,6 +185,25 @@ class SessionLog(ABC):
     def is_continued(self, response_id: str) -> bool:
         """Whether a later response continues this stored one."""
         return bool(self._execute("SELECT EXISTS (SELECT 1 FROM responses WHERE parent = ?)", (response_id,))[0][0])
+
+    # -- turns: what each engine turn of a session did (the sessions page reads them) ------------
+    def add_turn(self, session: str, branch: str, record: dict) -> None:
+        """Keep what one turn did (sizes, usage, the edits and what KV reuse did), JSON."""
+        self._execute("INSERT INTO turns (session, branch, record, created) VALUES (?, ?, ?, ?)",
+                      (session, branch, json.dumps(record), time.time()))
+
+    def turns(self, session: str, limit: int = 1000) -> list[tuple[str, dict, float]]:
+        """(branch, record, when) of the session's turns, oldest first (its last ``limit``)."""
+        rows = self._execute("SELECT branch, record, created FROM turns WHERE session = ? ORDER BY id DESC LIMIT ?",
+                             (session, limit))
+        return [(r[0], json.loads(r[1]), float(r[2])) for r in reversed(rows)]
+
+    def sessions_under(self, prefix: str, limit: int = 200) -> list[tuple[str, float, int]]:
+        """(session, last turn's time, turns) of the sessions whose key starts with ``prefix``
+        (one owner's: ``owner/``), the most recently active first."""
+        assert prefix.endswith("/")   # the key range [owner/, owner0) holds exactly the owner's keys
+        rows = self._execute(self.OWNED_SQL, (prefix, prefix[:-1] + "0", limit))
+        return [(r[0], float(r[1]), int(r[2])) for r in rows]
 
     # -- claims: work that one process at a time may do, whichever replica it runs on ----------
     def claim(self, name: str, ttl_s: float) -> str | None:

@@ -43,6 +43,10 @@ CREATE INDEX IF NOT EXISTS responses_parent ON responses (parent);
 CREATE TABLE IF NOT EXISTS claims (           -- work one process at a time may do (SessionLog.claim)
     name TEXT PRIMARY KEY, holder TEXT NOT NULL, expires REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS turns (            -- what each engine turn did (SessionLog.add_turn)
+    id INTEGER PRIMARY KEY, session TEXT NOT NULL, branch TEXT NOT NULL, record TEXT NOT NULL, created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS turns_session ON turns (session, id);
 CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts
     USING fts5(body, call, content='messages', content_rowid='id', tokenize='unicode61');
 CREATE TRIGGER IF NOT EXISTS messages_ai AFTER INSERT ON messages BEGIN

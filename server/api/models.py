@@ -40,6 +40,10 @@ async def models(request: Request, engine: EngineDep, _: OwnerDep) -> Response:
         status, payload = await engine.get_json("/v1/models")
     except EngineUnavailable as exc:
         return unavailable(exc)
+    cfg = app_state(request).cfg
+    if status == 200 and isinstance(payload, dict):
+        for m in payload.get("data") or []:   # what `agentkv launch` checks before it starts a client
+            m["agentkv"] = {"tool_calls": bool(cfg.tool_call_parser), "context_management": cfg.context_management}
     if status == 200 and "client_version" in request.query_params and isinstance(payload, dict):
-        payload["models"] = [codex_model_info(m, app_state(request).cfg.compact_at) for m in payload.get("data") or []]
+        payload["models"] = [codex_model_info(m, cfg.compact_at) for m in payload.get("data") or []]
     return JSONResponse(payload, status_code=status)

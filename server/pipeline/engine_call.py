@@ -146,8 +146,9 @@ def with_usage(body: dict) -> dict:
 
 
 async def open_stream(engine: EngineClient, body: dict, runner: ToolRunner | None,
-                      make: Make = as_is) -> EngineStream | Refusal:
-    """Start the engine's stream (usage always asked for: the encoders need it), or its refusal."""
+                      make: Make = as_is, on_end: OnEnd | None = None) -> EngineStream | Refusal:
+    """Start the engine's stream (usage always asked for: the encoders need it), or its refusal.
+    ``on_end`` hears the usage of a stream that ended whole."""
     body = with_usage(body)
     try:
         resp = await engine.post_stream(PATH, await make(body))
@@ -155,7 +156,7 @@ async def open_stream(engine: EngineClient, body: dict, runner: ToolRunner | Non
             return Refusal(*await resp.json())
     except EngineUnavailable as exc:
         return unreachable(exc)
-    return EngineStream(engine, body, runner, resp, make)
+    return EngineStream(engine, body, runner, resp, make, on_end)
 
 
 async def sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -173,10 +174,14 @@ async def sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
                     yield line[5:].strip()
 
 
+OnEnd = Callable[["dict | None"], Awaitable[None]]
+
+
 class EngineStream:
     def __init__(self, engine: EngineClient, body: dict, runner: ToolRunner | None, first: EngineResponse,
-                 make: Make = as_is):
+                 make: Make = as_is, on_end: OnEnd | None = None):
         self.engine, self.body, self.runner, self._resp, self._make = engine, body, runner, first, make
+        self._on_end = on_end
         self.usage: dict | None = None
         self.server_tool_calls: list[dict] = []
         self.error: dict | None = None
@@ -263,4 +268,6 @@ class EngineStream:
                 if chunk["choices"][0].get("finish_reason") == "tool_calls" and not keep:
                     chunk["choices"][0]["finish_reason"] = "stop"
                 yield chunk, None
+            if self._on_end is not None:   # the whole answer came: its usage is known
+                await self._on_end(self.usage)
             return

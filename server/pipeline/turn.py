@@ -14,12 +14,14 @@ happened (``kv.reuse.attach``), and the engine answers with server-tool rounds r
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from agentkv.compaction.policy import ContextManagement
-from agentkv.compaction.prompt import Message
+from agentkv.compaction.prompt import Message, content_text
 from agentkv.server.config import ServeConfig
 from agentkv.server.engine.client import EngineClient
 from agentkv.server.kv import reuse as kv_reuse
@@ -32,6 +34,8 @@ from .engine_call import Completion, EngineStream, Make, Refusal, completion, op
 from .server_tools import ToolRunner
 from .sessions import SessionRef, session_ref
 from .state import AppState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,6 +50,7 @@ class TurnInput:
     policy: ContextManagement | None   # the request's edits (the server default joins in ``manage``)
     engine_form: EngineForm | None = None   # a logged message as the engine takes it (Anthropic's blocks)
     param: str = "messages"            # the request field that holds the conversation (errors name it)
+    api: str = "chat"                  # which API it came through: chat, messages, responses (its record says)
 
 
 class KVArgs(NamedTuple):
@@ -69,6 +74,7 @@ class Turn:
     make: Make          # each engine request made of its chat body (``engine_input``)
     lowered: str | None = None   # the output limit, lowered to the room the prompt leaves
     room: str | None = None      # the system prompt and tools leave little of the window to manage
+    record: TurnRecord | None = None   # where the turn's record goes once the engine answered it
 
     @property
     def session_id(self) -> str:
@@ -107,11 +113,57 @@ class Turn:
 
     async def complete(self) -> Completion | Refusal:
         await self._attach()
-        return await completion(self.engine, self.body, self.runner, self.prepared.report, self.make)
+        out = await completion(self.engine, self.body, self.runner, self.prepared.report, self.make)
+        if isinstance(out, Completion):
+            await self._recorded(out.payload.get("usage"))
+        return out
 
     async def stream(self) -> EngineStream | Refusal:
         await self._attach()
-        return await open_stream(self.engine, self.body, self.runner, self.make)
+        return await open_stream(self.engine, self.body, self.runner, self.make, on_end=self._recorded)
+
+    async def _recorded(self, usage: dict | None) -> None:
+        """Keep what the turn did in the session log (the sessions page shows it); never fails the turn."""
+        if self.record is None:
+            return
+        try:
+            await asyncio.to_thread(self.record.write, self.prepared, usage)
+        except Exception:  # noqa: BLE001 - a record that cannot be written loses only the page's row
+            log.warning("session %s: the turn's record was not written", self.prepared.session_id, exc_info=True)
+
+
+@dataclass
+class TurnRecord:
+    """What one engine turn did, for the session log's ``turns`` (``SessionLog.add_turn``): the
+    window, the prompt before and after the context step, the engine's usage (tokens computed and
+    cached), and every edit's report (cleared tool uses, the summary, what KV reuse did)."""
+
+    log: Any        # the session log
+    api: str
+    window: int
+    mode: str       # the KV reuse mode it ran in
+    messages: int   # messages of the conversation the client sent
+
+    def write(self, prepared: Prepared, usage: dict | None) -> None:
+        usage = usage or {}
+        prompt = usage.get("prompt_tokens") or 0
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        report = prepared.report
+        self.log.add_turn(prepared.key, prepared.branch, {
+            "session_id": prepared.session_id, "api": self.api, "window": self.window, "kv_mode": self.mode,
+            "messages": self.messages, "prompt_tokens_before": report["prompt_tokens_before"],
+            "prompt_tokens_after": report["prompt_tokens_after"], "prompt_tokens": prompt, "cached_tokens": cached,
+            "computed_tokens": max(0, prompt - cached), "completion_tokens": usage.get("completion_tokens") or 0,
+            "applied_edits": report["applied_edits"], "failed_edits": report.get("failed_edits", []),
+            "summary": _text(prepared.compaction) if prepared.compaction is not None else None})
+
+
+def _text(message: Message) -> str:
+    """A summary message's text: its string, or its parts' (a compaction block's ``content`` too)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        return "".join(str(p.get("content") or p.get("text") or "") for p in content if isinstance(p, dict))
+    return content_text(content)
 
 
 def session_of(headers: Mapping[str, str], fields: AgentKVFields, body: Mapping[str, Any]) -> SessionRef:
@@ -141,4 +193,6 @@ async def prepare_turn(state: AppState, engine: EngineClient, ctx: ContextManage
     assert state.engine_input is not None   # made with the context manager (api.deps)
     make = state.engine_input.for_turn(body, turn.fields.engine_input, prepared.branch)
     room = window.room_header(sup.max_model_len, fixed) if cfg.context_management else None
-    return Turn(prepared, body, runner, engine, KVArgs(cfg, turn.fields, sup.model_path, owner), make, lowered, room)
+    record = TurnRecord(ctx.sessions.log, turn.api, sup.max_model_len, mode.name, len(turn.conversation))
+    return Turn(prepared, body, runner, engine, KVArgs(cfg, turn.fields, sup.model_path, owner), make, lowered, room,
+                record)

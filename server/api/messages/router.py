@@ -75,7 +75,8 @@ async def messages(req: MessagesRequest, request: Request, engine: EngineDep, ow
                                                         req.compaction.instructions, engine_message)
             return on_demand.respond(model, prepared, block, req.stream, {"X-Session-Id": prepared.session_id})
         turn = await prepare_turn(state, engine, ctx, owner, TurnInput(
-            conv, tools, chat_request(body, model), req, session, req.context_management, engine_message))
+            conv, tools, chat_request(body, model), req, session, req.context_management, engine_message,
+            api="messages"))
         if held:
             held.session_key = turn.prepared.key
         done = held.done if held else None

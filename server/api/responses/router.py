@@ -42,7 +42,7 @@ async def create_response(req: ResponsesRequest, request: Request, engine: Engin
         return await compaction.triggered(state, ctx, owner, req, chat, conv)
     policy, owed = compaction.policy(req, state.supervisor.max_model_len, state.cfg.compact_at)
     turn = await prepare_turn(state, engine, ctx, owner, TurnInput(conv.messages, chat.tools.tools, chat.body, req,
-                                                                   conv.ref, policy, param="input"))
+                                                                   conv.ref, policy, param="input", api="responses"))
     head = compaction.head(state.compaction_seal, owner, turn.prepared, owed)
     answer = encode.answer_for(req, chat, head, StoredTurn(state.sessions.log, req, turn.prepared.key, conv).store)
     return await (encode.stream if req.stream else encode.complete)(turn, answer)
