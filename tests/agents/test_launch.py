@@ -41,7 +41,8 @@ def home(tmp_path) -> Path:
 
 
 def snapshot(home: Path) -> dict[str, str]:
-    return {str(p.relative_to(home)): hashlib.sha256(p.read_bytes()).hexdigest() for p in home.rglob("*") if p.is_file()}
+    return {str(p.relative_to(home)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in home.rglob("*") if p.is_file()}
 
 
 def launch(home: Path, client: str, url: str, *args: str) -> subprocess.CompletedProcess:

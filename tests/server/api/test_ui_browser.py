@@ -91,7 +91,8 @@ def test_a_session_with_a_clear_and_a_summary_shows_them(browser, server, sessio
     assert "clear_tool_uses" in first and "cleared tool uses 2" in first
     assert "compact" in second and "summarized messages" in second
     assert page.locator("tr.turn >> nth=1 >> details summary").inner_text() == "the summary"
-    assert page.locator("svg.chart polyline.prompt").count() == 1 and page.locator("svg.chart circle.computed").count() == 2
+    assert page.locator("svg.chart polyline.prompt").count() == 1
+    assert page.locator("svg.chart circle.computed").count() == 2
     log, view = page.locator("#log .msg"), page.locator("#view .msg")
     assert log.count() == len(_turns(5)) + 1                               # the whole log, as sent
     assert page.locator("#log .tag.summarized").count() >= 1               # what the summary replaced, marked
