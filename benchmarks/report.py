@@ -277,7 +277,31 @@ def _rows(r: dict) -> str:
     return table(cols, [[x.get(c) for c in cols] for x in rows])
 
 
+def _capacity(r: dict) -> str:
+    """The capacity curve: each pool size and arm against the floor."""
+    f = r["floor"]["overall"]
+    sessions = ", ".join(r["sessions"])
+    head = (f"{len(r['sessions'])} recorded sessions ({sessions}) x {r['copies']} copies, {r['concurrent']} at once "
+            f"(pauses of {r['think_s']} s on average between a session's turns), {r['model']}, window "
+            f"{r['window']:,} tokens; the floor: {f['answered']}/{f['turns']} turns, {f['computed']:,} tokens computed "
+            f"(its own unbounded pool), latency p50/p99 {f['latency_p50_s']}/{f['latency_p99_s']} s\n\n")
+    rows = []
+    for w in r["pool_windows"]:
+        pool = r["pools"][str(w)]
+        for arm, a in pool["arms"].items():
+            o, c = a["overall"], a["overall"].get("connector") or {}
+            rows.append([f"{w} ({pool['pool_tokens']:,})", arm, f"{o['answered']}/{o['turns']}",
+                         _times(o["ratio"]) if o["ratio"] is not None else "",
+                         _times(o["worst_ratio"]) if o["worst_ratio"] is not None else "",
+                         o["latency_p50_s"], o["latency_p99_s"], c.get("retained_tokens_per_turn", ""),
+                         c.get("restore_mib_per_turn", ""), o["kv_reused_tokens"], ", ".join(o["kv_fallbacks"])])
+    return head + table(["pool, windows (tokens)", "arm", "turns answered", "tokens computed x floor",
+                         "worst copy x floor", "latency p50 s", "latency p99 s", "read back tokens/turn",
+                         "restored MiB/turn", "KV moved by edits", "fallbacks"], rows)
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
+    "sessions-capacity": _capacity,
     "kernel": _kernel, "kv-memory": _kv_memory, "decode-throughput": _decode, "delayed-recall": _delayed_recall,
     "probe": _probe, "clear-vs-recompute": _clear_vs_recompute, "load": _load, "load-shift": _load,
     "load-shift-no-tier": _load, "load-blend": _load, "connector-cost": _connector_cost, "front": _front,
@@ -376,6 +400,30 @@ def headlines(results: Path = RESULTS) -> str:
                       if "shift-no-tier" in o else "")
                      + (f"; recompute {_times(o['recompute']['ratio'])}" if "recompute" in o else ""),
                      _where(r, name)])
+    if (results / "sessions-capacity.json").exists():
+        r = _load_result(results, "sessions-capacity")
+        for w in (4, 2):
+            pool = r["pools"].get(str(w))
+            if pool is None or not {"recompute", "shift"} <= set(pool["arms"]):
+                continue
+            a = {arm: x["overall"] for arm, x in pool["arms"].items()}
+            eight = r["pools"].get("8", {}).get("arms", {})
+            off = [f"{arm.removesuffix('-no-retention')} {_times(a[arm]['ratio'])}"
+                   for arm in ("recompute-no-retention", "shift-no-retention") if arm in a]
+            n = len(r["sessions"])
+            rows.append([f"{n * r['copies']} real client sessions ({n} clients: Claude Code, Codex, opencode, pi), "
+                         f"{r['concurrent']} at once on a {r['window']:,}-token window, a KV pool of {w} windows "
+                         f"({pool['pool_tokens']:,} tokens)",
+                         f"retention: recompute (the default) computes {_times(a['recompute']['ratio'])} the floor's "
+                         f"tokens, shift {_times(a['shift']['ratio'])}; latency p99 "
+                         f"{a['recompute']['latency_p99_s']}/{a['shift']['latency_p99_s']} s"
+                         + (f" (on 8 windows {eight['recompute']['overall']['latency_p99_s']}/"
+                            f"{eight['shift']['overall']['latency_p99_s']} s)" if {"recompute", "shift"} <= set(eight)
+                            else ""),
+                         (f"retention off: {', '.join(off)}" if off else "")
+                         + (f"; vLLM reached directly answers {a['vllm']['answered']}/{a['vllm']['turns']} turns"
+                            if "vllm" in a else ""),
+                         _where(r, "sessions-capacity")])
     tier, no_tier = results / "load-shift.json", results / "load-shift-no-tier.json"
     if tier.exists() and no_tier.exists():
         r, n = _load_result(results, "load-shift"), _load_result(results, "load-shift-no-tier")

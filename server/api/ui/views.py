@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from agentkv.compaction.log.session_log import SessionLog
-from agentkv.compaction.prompt import Message, content_text
+from agentkv.compaction.prompt import Message, content_text, message_key
 from agentkv.kernels.connector.params import FALLBACKS
 from agentkv.server.pipeline.sessions import BRANCH, ViewState, session_key
 
@@ -73,17 +73,20 @@ def session(log: SessionLog, owner: str, session_id: str) -> dict[str, Any] | No
                       "computed": r.get("computed_tokens"), "completion": r.get("completion_tokens"),
                       "kv_mode": r.get("kv_mode"), "edits": [_edit(e) for e in r.get("applied_edits") or []],
                       "failed": [_edit(e) for e in r.get("failed_edits") or []], "summary": r.get("summary")})
-    history = log.history(key)
-    state = ViewState.load(log.get_state(key))
+    # the last turn's branch: its conversation, from the log by its messages' keys, and its view
+    branch = records[-1][0].split("@", 1)[0] if records else key
+    state = ViewState.load(log.get_state(branch))
+    by_key = {message_key(m): m for m in log.history(key)}
+    conversation = [by_key[k] for k in state.keys if k in by_key]
     marks = dict.fromkeys(state.replaced, "cleared")
     if state.summary is not None:
         marks.update(dict.fromkeys(range(state.summary_start, state.summary_end), "summarized"))
-    view, where = state.view(history)
+    view, where = state.view(conversation)
     model_view = []
     for m, i in zip(view, where):
         status = "summary" if state.summary is not None and m is state.summary else \
             "cleared" if i in state.replaced else "kept"
         model_view.append(_shown(m, status))
     return {"id": sid, "messages": count, "branches": len(log.states_like(key, BRANCH)) or 1,
-            "turns": turns, "log": [_shown(m, marks.get(i, "kept")) for i, m in enumerate(history)],
+            "turns": turns, "log": [_shown(m, marks.get(i, "kept")) for i, m in enumerate(conversation)],
             "view": model_view}
