@@ -1,6 +1,6 @@
 """The session page's chart, drawn here as SVG (no script, no library to fetch: the page works
-offline): each turn's prompt (what the model got) and the tokens the engine computed for it,
-against the window. Only numbers and fixed labels go into it."""
+offline): each turn's prompt as the client sent it and as the model got it, and the tokens the
+engine computed for it, against the window. Only numbers and fixed labels go into it."""
 
 from __future__ import annotations
 
@@ -45,5 +45,6 @@ def chart(turns: list[dict]) -> str:
              if shown else f'<text x="{W - RIGHT}" y="{TOP + 2}" text-anchor="end" class="window">window {window:,} '
                            f'(above)</text>' if window else "")
     return (f'<svg viewBox="0 0 {W} {H}" role="img" aria-label="prompt and computed tokens per turn" '
-            f'class="chart">{grid}{limit}{line("prompt", "prompt")}{line("computed", "computed")}{xs}'
+            f'class="chart">{grid}{limit}{line("before", "before")}{line("prompt", "prompt")}'
+            f'{line("computed", "computed")}{xs}'
             f'<text x="{(W + LEFT) / 2}" y="{H - 4}" text-anchor="middle">turn</text></svg>')
