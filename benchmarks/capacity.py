@@ -58,17 +58,24 @@ def curve(sessions: dict[str, list], path: str, model: str, window: int, pools: 
     return out
 
 
+COLORS = {"vllm": "tab:gray", "recompute": "tab:blue", "recompute-no-retention": "tab:blue", "shift": "tab:orange",
+          "shift-no-retention": "tab:orange"}
+
+
 def plot(result: dict, title: str):
     plt = pyplot()
+    from matplotlib import ticker
+
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.4))
     pools = sorted(int(w) for w in result["pools"])
     arms = list(next(iter(result["pools"].values()))["arms"])
     for arm in arms:
         o = [result["pools"][str(w)]["arms"][arm]["overall"] for w in pools]
         answered = ", ".join(f"{x['answered']}/{x['turns']}" for x in o)
+        style = {"color": COLORS.get(arm), "marker": "o", "ls": "--" if arm.endswith("-no-retention") else "-"}
         if any(x["ratio"] is not None for x in o):
-            a1.plot(pools, [x["ratio"] for x in o], marker="o", label=arm)
-        a2.plot(pools, [x["latency_p99_s"] for x in o], marker="o", label=f"{arm} (turns answered {answered})")
+            a1.plot(pools, [x["ratio"] for x in o], label=arm, **style)
+        a2.plot(pools, [x["latency_p99_s"] for x in o], label=f"{arm} (turns answered {answered})", **style)
     floor = result["floor"]["overall"]
     a1.axhline(1.0, color="gray", lw=0.8, ls="--", label="the floor (1.0)")
     a2.axhline(floor["latency_p99_s"], color="gray", lw=0.8, ls="--", label=f"the floor ({floor['latency_p99_s']} s)")
@@ -78,6 +85,8 @@ def plot(result: dict, title: str):
         ax.set_xlabel("KV pool")
         ax.legend(fontsize=6.5)
     a1.set_yscale("log")
+    a1.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+    a1.yaxis.set_minor_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}x" if v in (2, 3, 5) else ""))
     a1.set_ylabel("tokens computed / the floor's (sessions answered whole)")
     a2.set_ylabel("latency of a turn, p99 (s, one output token)")
     fig.suptitle(title, fontsize=9)

@@ -385,21 +385,6 @@ def headlines(results: Path = RESULTS) -> str:
                      f"{o['recompute']['latency_p99_s']} s",
                      f"vLLM reached directly answers {o['vllm']['answered']}/{o['vllm']['turns']} turns, "
                      f"{o['vllm']['sessions_whole']}/{o['vllm']['sessions']} sessions whole", _where(r, name)])
-    for name in sorted(p.stem for p in results.glob("sessions-c*-x*-pool*.json")):
-        r = _load_result(results, name)
-        o = r["overall"]
-        if not {"shift", "floor"} <= set(o):
-            continue
-        pool = f", a KV pool of {r['pool_tokens']:,} tokens" if r.get("pool_tokens") else ""
-        rows.append([f"{o['shift']['sessions'] * r['copies']} real client sessions (Claude Code, Codex), "
-                     f"{r['concurrent']} at once on a {r['window']:,}-token window{pool}",
-                     f"shift computes {_times(o['shift']['ratio'])} the floor's tokens (worst session "
-                     f"{_times(o['shift']['worst_ratio'])}); {_moved(o['shift'])}; "
-                     f"latency p50/p99 {o['shift']['latency_p50_s']}/{o['shift']['latency_p99_s']} s",
-                     (f"without the host tier {_times(o['shift-no-tier']['ratio'])}; {_moved(o['shift-no-tier'])}"
-                      if "shift-no-tier" in o else "")
-                     + (f"; recompute {_times(o['recompute']['ratio'])}" if "recompute" in o else ""),
-                     _where(r, name)])
     if (results / "sessions-capacity.json").exists():
         r = _load_result(results, "sessions-capacity")
         for w in (4, 2):
