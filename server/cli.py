@@ -114,6 +114,7 @@ BENCHMARKS = {
     "kernel": "agentkv.benchmarks.kernel_bench",
     "gpu-check": "agentkv.benchmarks.gpu_check",
     "gpu-prefill": "agentkv.benchmarks.gpu_prefill",
+    "gpu-restore": "agentkv.benchmarks.gpu_restore",
     "kv-memory": "agentkv.benchmarks.kv_memory",
     "decode-throughput": "agentkv.benchmarks.decode_throughput",
     "delayed-recall": "agentkv.benchmarks.delayed_recall",
