@@ -142,6 +142,8 @@ class ProgressWatch:
                         f"{now - self._stopped_since:.0f} s")
         else:
             self._stopped_since = None
+        if awaiting <= 0 and self._work <= 0:   # idle (as of the last reading): nothing to judge up to now
+            self._since, self._ok_at = None, now
         if not read:
             return None
         moved = False

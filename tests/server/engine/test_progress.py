@@ -88,6 +88,20 @@ def test_a_stretch_the_front_did_not_watch_starts_the_count_again():
     assert "no progress for 30 s" in watch.observe(1, Processes([]), reading(1, 5.0), read=True, now=71)
 
 
+def test_a_request_after_a_long_idle_stretch_is_judged_from_its_arrival():
+    """Idle for an hour (no reads: nothing to read), then a request whose first step has not come
+    yet at the first read: not stuck (it was, at once, before a review's fix), and stuck only a
+    whole bound after its arrival if nothing moves."""
+    watch = ProgressWatch(120)
+    assert watch.observe(1, Processes([]), reading(1, 5.0), read=True, now=0) is None
+    assert watch.observe(0, Processes([]), reading(0, 9.0), read=True, now=2) is None     # done: idle
+    for t in range(3, 3600):
+        assert watch.observe(0, Processes([]), None, read=False, now=t) is None
+    for t in range(3600, 3719, 5):                 # the request came at 3599.5: nothing moves
+        assert watch.observe(1, Processes([]), reading(0, 9.0), read=True, now=t + 0.5) is None
+    assert "no progress for 121 s" in watch.observe(1, Processes([]), reading(0, 9.0), read=True, now=3720)
+
+
 def test_ticks_without_a_read_judge_only_the_processes():
     watch = ProgressWatch(5)
     assert watch.observe(1, Processes([]), reading(1, 1.0), read=True, now=0) is None
