@@ -45,7 +45,7 @@ class Run:
 class Coverage:
     runs: list[Run]
     end: int                 # new positions [start, end) are covered
-    stop: str | None         # why coverage ended before the limit: "mismatch", "missing" or None
+    stop: str | None         # why coverage ended before the limit: "mismatch", "missing", "prefix" or None
 
 
 def pieces(spans: Sequence[Span], limit: int) -> list[tuple[int, int, int, int]]:
@@ -70,9 +70,15 @@ def pieces(spans: Sequence[Span], limit: int) -> list[tuple[int, int, int, int]]
 def cover(new_ids: Sequence[int], sources: Sequence[Sequence[int] | None], spans: Sequence[Span],
           start: int, limit: int) -> Coverage:
     """Runs covering new positions from ``start`` (before ``limit``) where a source holds the same
-    token id; ``sources[PROMPT]`` / ``sources[PRIME]`` are the held token ids (None: not held)."""
+    token id; ``sources[PROMPT]`` / ``sources[PRIME]`` are the held token ids (None: not held).
+
+    The K/V of a position depend on every token before it, so the new prompt's tokens before
+    ``start`` (vLLM's own hit, which may come from another conversation's blocks) must equal the
+    held ones they map to as well: where they differ nothing is covered (stop ``"prefix"``)."""
     new = np.asarray(new_ids, dtype=np.int64)
     arrays = [None if s is None else np.asarray(s, dtype=np.int64) for s in sources]
+    if not _prefix_agrees(new, arrays, spans, start):
+        return Coverage([], start, "prefix")
     runs: list[Run] = []
     pos = start
     for _lo, hi, src, off in pieces(spans, limit):
@@ -92,6 +98,19 @@ def cover(new_ids: Sequence[int], sources: Sequence[Sequence[int] | None], spans
         if n < same.size:
             return Coverage(runs, pos, "mismatch" if inside[n] else None)
     return Coverage(runs, pos, None)
+
+
+def _prefix_agrees(new: np.ndarray, arrays: Sequence[np.ndarray | None], spans: Sequence[Span],
+                   start: int) -> bool:
+    """Whether every new position before ``start`` holds the token its source holds (a piece whose
+    source is not held is not compared: replacement tokens vLLM already had)."""
+    for lo, hi, src, off in pieces(spans, start):
+        held = arrays[src] if src < len(arrays) else None
+        if held is None:
+            continue
+        if lo + off < 0 or hi + off > held.size or not np.array_equal(held[lo + off:hi + off], new[lo:hi]):
+            return False
+    return True
 
 
 def clip(runs: Sequence[Run], end: int) -> list[Run]:

@@ -226,7 +226,7 @@ class ReuseScheduler:
         if end <= start:
             if cov.stop == "missing":
                 return None, self.bound.missing_reason(p.session)
-            return None, "prompt_changed" if cov.stop == "mismatch" and cov.end - start < self.block_size \
+            return None, "prompt_changed" if cov.stop in ("mismatch", "prefix") and cov.end - start < self.block_size \
                 else "too_short"
         runs = clip(cov.runs, end)
         return Claim(request.request_id, p.session,

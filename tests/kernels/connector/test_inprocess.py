@@ -236,3 +236,23 @@ def test_a_turn_with_no_edit_reads_back_from_the_host_tier_what_the_prefix_cache
     finally:
         reuse.host = None
         engine.collective_rpc(_worker_host_tier, kwargs={"drop": True})
+
+
+def test_a_held_prompt_is_not_read_after_a_prefix_hit_on_other_tokens(llm):
+    """vLLM's own hit can come from blocks another conversation of the same key computed: where the
+    new prompt's tokens before that hit differ from the held prompt's, the held K/V after it were
+    computed after other tokens, so nothing is read from it (same positions, same tokens after the
+    hit are not enough)."""
+    engine, renderer = llm
+    bs = engine.llm_engine.engine_core.engine_core.scheduler.connector.scheduler.block_size
+    msgs = [{"role": "system", "content": "agent"}, {"role": "user", "content": "run the checks"}]
+    ids = renderer.render(msgs + turn(0) + turn(1) + turn(2)).token_ids
+    other = [ids[i] if i == 0 or not 1 <= i <= bs else (ids[0] if ids[i] != ids[0] else ids[1])
+             for i in range(len(ids))]
+    assert other != ids and other[bs + 1:] == ids[bs + 1:]
+    generate(engine, ids, {"session": "y1", "exact": True}, "y1")            # held, exact, in the pool
+    generate(engine, other[:3 * bs + 5], None, "y1")                          # another conversation's blocks
+    _, cached, _ = generate(engine, other, {"session": "y1", "exact": True}, "y1")
+    assert cached == 3 * bs, (cached, len(other))                             # vLLM's own hit, nothing more
+    _, cached, _ = generate(engine, ids, {"session": "y1", "exact": True}, "y1")
+    assert cached == (len(ids) - 1) // bs * bs                                # its own prompt still reads

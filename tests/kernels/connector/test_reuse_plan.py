@@ -81,3 +81,19 @@ def test_clip_cuts_runs_at_the_end():
     runs = [Run(PROMPT, 0, 0, 10), Run(PRIME, 10, 10, 5), Run(PROMPT, 30, 15, 20)]
     assert clip(runs, 12) == [Run(PROMPT, 0, 0, 10), Run(PRIME, 10, 10, 2)]
     assert clip(runs, 0) == []
+
+
+def test_nothing_is_covered_where_the_tokens_before_the_start_differ(renderer):
+    """The K/V of a held position depend on every held token before it: coverage from vLLM's hit
+    needs the tokens before the hit to agree as well (the hit may be another conversation's)."""
+    held, prime, spans, r = cleared(renderer)
+    start = r.edits[0].start // 16 * 16
+    changed = list(r.new_ids)
+    changed[3] += 1                                                 # before the hit, before any span
+    cov = cover(changed, [held, prime], spans, start, len(changed) - 1)
+    assert cov.end == start and cov.stop == "prefix" and cov.runs == []
+    plain = cover(held, [held], [], 32, len(held) - 1)              # no edit: from the hit to the end
+    assert plain.end == len(held) - 1 and plain.runs == [Run(PROMPT, 32, 32, len(held) - 33)]
+    other = list(held)
+    other[5] += 1
+    assert cover(other, [held], [], 32, len(held) - 1).stop == "prefix"
