@@ -75,9 +75,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     cfg = _config_from(ns)
     secure_home(sqlite_files(cfg.session_db_path))
+    from .engine.hybrid import without_retention
+    from .engine.process import resolve_device
     from .engine.supervisor import resolve_model_path
 
-    resolve_model_path(cfg)  # an embedded model is built now (first run), so a failure is a CLI error
+    model_path = resolve_model_path(cfg)  # an embedded model is built now (first run), so a failure is a CLI error
+    cfg = without_retention(cfg, model_path, resolve_device(cfg.device))
     try:
         app = create_app(cfg)
     except SESSION_LOG_OPEN_ERRORS as exc:  # libpq may echo the URL: never its password

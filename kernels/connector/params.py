@@ -47,7 +47,8 @@ DEFAULTS = {"hold_fraction": 0.25, "hold_ttl_s": 300.0, "offload_bytes": 0, "ret
 FALLBACKS = {
     "not_held": "the session's previous prompt (or the priming prompt) was never held",
     "evicted": "its held blocks were handed to other requests (budget, memory pressure, time-to-live)",
-    "prompt_changed": "the new prompt's token ids differ from the held ones where the edit maps them (before vLLM's own hit too)",
+    "prompt_changed": "the new prompt's token ids differ from the held ones where the edit maps them "
+                      "(before vLLM's hit too)",
     "too_short": "less than one block could be supplied",
     "load_failed": "the worker could not move the tokens; vLLM recomputed them",
     "unsupported": "this model or KV cache cannot be shifted (see the engine log)",
