@@ -123,13 +123,22 @@ class Turn:
         return await open_stream(self.engine, self.body, self.runner, self.make, on_end=self._recorded)
 
     async def _recorded(self, usage: dict | None) -> None:
-        """Keep what the turn did in the session log (the sessions page shows it); never fails the turn."""
+        """Keep what the turn did in the session log (the sessions page shows it), in the background:
+        the answer's end never waits on the log's write, and the write never fails the turn."""
         if self.record is None:
             return
+        task = asyncio.create_task(self._write(self.record, usage))
+        _WRITING.add(task)               # the loop keeps weak references only
+        task.add_done_callback(_WRITING.discard)
+
+    async def _write(self, record: TurnRecord, usage: dict | None) -> None:
         try:
-            await asyncio.to_thread(self.record.write, self.prepared, usage)
+            await asyncio.to_thread(record.write, self.prepared, usage)
         except Exception:  # noqa: BLE001 - a record that cannot be written loses only the page's row
             log.warning("session %s: the turn's record was not written", self.prepared.session_id, exc_info=True)
+
+
+_WRITING: set[asyncio.Task] = set()   # turn records being written
 
 
 @dataclass

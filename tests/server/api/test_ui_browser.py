@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import uuid
 
 import httpx
@@ -31,7 +32,7 @@ def browser():
     if why is None and CHROMIUM is None:
         why = "no Chromium here (Debian: apt-get install chromium; .ci/chromium)"
     if why is not None:
-        if os.environ.get("AGENTKV_REQUIRE_BROWSER"):
+        if os.environ.get("AGENTKV_REQUIRE_BROWSER", "0") != "0":
             pytest.fail(f"the browser tests must run here: {why}")
         pytest.skip(why)
     with sync_playwright() as p:
@@ -63,6 +64,10 @@ def session_with_a_clear_and_a_summary(server) -> str:
         assert r.status_code == 200, r.text
     edits = [e["type"] for e in r.json()["context_management"]["applied_edits"]]
     assert "compact" in edits, r.json()["context_management"]
+    deadline = time.monotonic() + 30                                       # turn records are written after the answer
+    while len(server.http().get(f"/ui/api/sessions/{sid}").json().get("turns", [])) < 2:
+        assert time.monotonic() < deadline, "the session's two turn records were not written"
+        time.sleep(0.2)
     return sid
 
 
