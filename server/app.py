@@ -19,7 +19,7 @@ from .api.messages import router as messages
 from .api.responses import router as responses
 from .api.ui import router as ui
 from .config import ServeConfig
-from .edge import Edge
+from .edge import Edge, owners_of_keys
 from .engine.client import EngineUnavailable
 from .engine.supervisor import EngineState, Supervisor
 from .errors import LastResort, install_error_handlers
@@ -45,7 +45,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     key = load_key(path=cfg.compaction_key_file)
     state = AppState(cfg, Supervisor(cfg), Sessions(open_session_log(cfg.session_db_path)),
                      CompactionSeal(key)).install(app)
-    app.state.ui_cookie = UICookie(key) if cfg.ui else None
+    app.state.ui_cookie = UICookie(key, owners_of_keys(cfg.api_key)) if cfg.ui else None
     if is_postgres_url(cfg.session_db_path) and not cfg.compaction_key_file:
         log.warning("the session log is on PostgreSQL, which replicas share, but --compaction-key-file is not set: "
                     "this replica signs compaction items with a key of its own (in $AGENTKV_HOME), and the other "

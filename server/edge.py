@@ -8,7 +8,8 @@ an unauthenticated caller nothing.
    ``/ui`` (the sessions page, when on) the page's cookie (``ui_auth``) stands for the key too, and
    a browser without either is sent to ``/ui/login`` (its data requests get the 401).
 2. **The body's size**: a declared ``Content-Length`` over ``--max-request-mb`` is a 413 at once;
-   a chunked body is read up to the limit.
+   a chunked body is read up to the limit. The sign-in form (``POST /ui/login``, which anyone may
+   send) has a limit of its own, ``LOGIN_MAX_BYTES``, and may not be compressed (a 415).
 3. **Compressed bodies** (``Content-Encoding: gzip``, ``deflate``, ``zstd``: Codex may compress
    its requests) are inflated off the event loop, never past the limit (a small body that would
    inflate past it is a 413), and wholly: one gzip member and nothing after it, zlib-wrapped or raw
@@ -48,6 +49,7 @@ ENCODINGS = (b"gzip", b"deflate", b"zstd")
 ZSTD_MAX_WINDOW = 1 << 25
 PUBLIC = ("/health", "/health/live", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 UI, UI_LOGIN, UI_DATA = "/ui", "/ui/login", "/ui/api/"
+LOGIN_MAX_BYTES = 4096   # the sign-in form: one key (at most 1024 characters, percent-encoded)
 OWNER = "agentkv.owner"          # scope["state"] keys the routes read
 PARSED = "agentkv.json"
 _DECODE = msgspec.json.Decoder()
@@ -61,7 +63,17 @@ def owner_of_key(keys: Sequence[str], authorization: str, x_api_key: str) -> str
     given = authorization[7:] if authorization[:7].lower() == "bearer " else x_api_key
     if not any(hmac.compare_digest(given.encode(), k.encode()) for k in keys):
         return None
-    return hashlib.sha256(given.encode()).hexdigest()[:16]
+    return _digest(given)
+
+
+def owners_of_keys(keys: Sequence[str]) -> frozenset[str]:
+    """Every owner ``owner_of_key`` can make of these keys: their digests, or ``local`` for none
+    (what a sessions page cookie may name: ``ui_auth.UICookie``)."""
+    return frozenset(_digest(k) for k in keys) if keys else frozenset({"local"})
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _is_json(content_type: bytes | None) -> bool:
@@ -133,8 +145,10 @@ class Edge:
                 state[OWNER] = owner
         if scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):   # no route here reads a body
             return await self.app(scope, receive, send)
+        # the sign-in form is open to anyone: a few KiB of it, sent as it is, never the API's limit
+        login = self.ui is not None and path == UI_LOGIN
         try:
-            body = await self._body(receive, headers)
+            body = await self._body(receive, headers, LOGIN_MAX_BYTES if login else self.max_bytes, plain=login)
             if body is None:                                           # the client went away
                 return
             if body and _is_json(headers.get(b"content-type")):
@@ -146,25 +160,29 @@ class Edge:
             scope = {**scope, "headers": kept + [(b"content-length", str(len(body)).encode())]}
         await self.app(scope, self._replay(body, receive), send)
 
-    async def _body(self, receive: Receive, headers: dict) -> bytes | None:
-        """The whole body, decoded; None for a client that went away. ``Refused`` past the limit
-        or for a body that does not decode."""
+    async def _body(self, receive: Receive, headers: dict, limit: int, plain: bool = False) -> bytes | None:
+        """The whole body, decoded, at most ``limit`` bytes; None for a client that went away.
+        ``Refused`` past the limit or for a body that does not decode; ``plain``: for any
+        ``Content-Encoding`` (a request nobody has authenticated: nothing is inflated for it)."""
         encoding = headers.get(b"content-encoding", b"").strip().lower()
+        if plain and encoding not in (b"", b"identity"):
+            raise Refused(415, "the sign-in form must not be compressed (no Content-Encoding)",
+                          "unsupported_encoding")
         if encoding not in (b"", b"identity", *ENCODINGS):
             raise Refused(415, f"Content-Encoding {encoding.decode(errors='replace')!r} is not supported "
                                "(gzip, deflate, zstd)", "unsupported_encoding")
         declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            raise self._too_large()
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise self._too_large(limit)
         try:
-            raw = await asyncio.wait_for(self._read(receive), self.body_timeout_s)
+            raw = await asyncio.wait_for(self._read(receive, limit), self.body_timeout_s)
         except asyncio.TimeoutError:
             raise Refused(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
                           "request_timeout") from None
         if raw is None:
             return None
-        if len(raw) > self.max_bytes:
-            raise self._too_large()
+        if len(raw) > limit:
+            raise self._too_large(limit)
         if encoding not in ENCODINGS:
             return raw
         try:
@@ -173,12 +191,13 @@ class Edge:
             raise Refused(400, f"the request body is not valid {encoding.decode()} ({exc})",
                           "invalid_encoding") from None
         if body is None:
-            raise self._too_large()
+            raise self._too_large(limit)
         return body
 
-    async def _read(self, receive: Receive) -> bytes | None:
-        """The whole body, or None if the client went away; reading stops past the limit (the result
-        is then longer than it)."""
+    @staticmethod
+    async def _read(receive: Receive, limit: int) -> bytes | None:
+        """The whole body, or None if the client went away; reading stops past ``limit`` (the
+        result is then longer than it)."""
         parts, seen = [], 0
         while True:
             message = await receive()
@@ -186,7 +205,7 @@ class Edge:
                 return None
             parts.append(message.get("body", b""))
             seen += len(parts[-1])
-            if seen > self.max_bytes or not message.get("more_body", False):
+            if seen > limit or not message.get("more_body", False):
                 return b"".join(parts)
 
     @staticmethod
@@ -244,8 +263,9 @@ class Edge:
                 " (a second gzip member)" if encoding == b"gzip" and d.unused_data[:2] == b"\x1f\x8b" else ""))
         return out
 
-    def _too_large(self) -> Refused:
-        return Refused(413, f"request body exceeds {self.max_bytes} bytes", "request_too_large")
+    @staticmethod
+    def _too_large(limit: int) -> Refused:
+        return Refused(413, f"request body exceeds {limit} bytes", "request_too_large")
 
     @staticmethod
     async def _redirect(send: Send, to: str) -> None:

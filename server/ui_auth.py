@@ -3,7 +3,9 @@
 The cookie names the key's owner (the digest sessions are namespaced by, never the key), when it
 expires, and a MAC over both with a key derived from the compaction key (replicas share that file,
 so a cookie one signed is good at every replica). It is ``HttpOnly`` (no script reads it),
-``SameSite=Strict`` (no other site's page sends it) and scoped to ``/ui``. The API's own
+``SameSite=Strict`` (no other site's page sends it) and scoped to ``/ui``. A cookie is good only
+while its owner is one of the server's: one signed for a key since removed from ``--api-key`` is
+refused (the compaction key, and so the MAC's, outlives the key list). The API's own
 ``Authorization: Bearer`` / ``x-api-key`` headers work on ``/ui`` as on the API.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
+from collections.abc import Collection
 
 NAME = "agentkv_ui"
 MAX_AGE_S = 12 * 3600
@@ -19,8 +22,12 @@ PATH = "/ui"
 
 
 class UICookie:
-    def __init__(self, secret: bytes, clock=time.time):
+    """``owners``: the owners a cookie may sign in (``edge.owners_of_keys``: the configured keys'
+    digests, or ``local`` where the server takes no keys)."""
+
+    def __init__(self, secret: bytes, owners: Collection[str], clock=time.time):
         self._key = hmac.new(secret, b"agentkv sessions page cookie", hashlib.sha256).digest()
+        self._owners = frozenset(owners)
         self._clock = clock
 
     def _mac(self, owner: str, expires: int) -> str:
@@ -32,13 +39,17 @@ class UICookie:
         return f"{owner}.{expires}.{self._mac(owner, expires)}"
 
     def owner(self, value: str | None) -> str | None:
-        """The owner a cookie value signs in, or None (missing, forged, expired)."""
+        """The owner a cookie value signs in, or None (missing, forged, expired, or its key no
+        longer one of the server's)."""
         if not value or value.count(".") != 2:
             return None
         owner, expires, mac = value.split(".")
-        if not expires.isdigit() or int(expires) < self._clock():
+        # ASCII digits only: str.isdigit() takes "²" and the like, which int() then refuses
+        if not (expires.isascii() and expires.isdigit()) or int(expires) < self._clock():
             return None
-        return owner if hmac.compare_digest(mac, self._mac(owner, int(expires))) else None
+        if not (mac.isascii() and hmac.compare_digest(mac, self._mac(owner, int(expires)))):
+            return None
+        return owner if owner in self._owners else None
 
     @staticmethod
     def from_header(cookie_header: str) -> str | None:

@@ -168,6 +168,12 @@ def _common(a: list[str], b: list[str]) -> int:
 
 MAX_BRANCHES = 32      # view states kept per explicit session; the least recently used one goes first
 BRANCH = "#"           # a branch's state key: ``owner/id#N`` (``#`` is never in an id)
+IDENT = "~"            # a branch's identity: ``<state key>~<drawn>`` (``~`` is never in an id, an owner or a state key)
+
+
+def branch_of(identity: str) -> str:
+    """The state key a branch's identity (``Synced.identity``, as the session log's turns keep it) is of."""
+    return identity.partition(IDENT)[0]
 
 
 @dataclass
@@ -185,7 +191,7 @@ class Synced:
     def identity(self) -> str:
         """What the branch is known by to the KV connector and the cache salts: its state key and the
         identity drawn when it was made (a state key is reused past ``MAX_BRANCHES``; this never is)."""
-        return f"{self.branch}@{self.state.ident}" if self.state.ident else self.branch
+        return f"{self.branch}{IDENT}{self.state.ident}" if self.state.ident else self.branch
 
 
 class Sessions:

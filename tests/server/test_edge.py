@@ -4,6 +4,7 @@ bodies not consumed whole, raw deflate refused, and no deadline on reading a bod
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import socket
@@ -113,3 +114,57 @@ def test_a_body_that_never_arrives_is_a_408_within_the_deadline(small_server):
     assert reply.startswith(b"HTTP/1.1 408"), reply[:300]
     assert SMALL_BODY_TIMEOUT_S - 1 <= waited <= SMALL_BODY_TIMEOUT_S + 30
     assert b"connection: close" in reply.lower() and b"request_timeout" in reply
+
+
+# The sign-in form, in process (server/edge.py alone): anyone may POST /ui/login, so the edge reads
+# only a few KiB of it and inflates none of it (before: the API's 32 MiB, gzip and zstd included).
+
+def _login(content: list[bytes], headers: list[tuple[bytes, bytes]]) -> tuple[int, dict, int]:
+    """(status, error, body bytes the edge took) for ``content`` posted to /ui/login in chunks."""
+    from agentkv.server.edge import Edge
+    from agentkv.server.ui_auth import UICookie
+
+    taken, sent, seen = [0], [], []
+
+    async def form(scope, receive, send):                       # the route: reads what the edge passes on
+        message = await receive()
+        seen.append(message["body"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def receive():
+        chunk = content.pop(0)
+        taken[0] += len(chunk)
+        return {"type": "http.request", "body": chunk, "more_body": bool(content)}
+
+    async def send(message):
+        sent.append(message)
+
+    edge = Edge(form, 32 * 2**20, keys=(API_KEY,), ui=UICookie(b"s" * 32, ()))
+    scope = {"type": "http", "method": "POST", "path": "/ui/login",
+             "headers": [(b"content-type", b"application/x-www-form-urlencoded"), *headers]}
+    asyncio.run(edge(scope, receive, send))
+    status = sent[0]["status"]
+    return status, (json.loads(sent[1]["body"])["error"] if status != 200 else {"body": seen[0]}), taken[0]
+
+
+def test_the_sign_in_form_is_read_as_sent():
+    status, got, _ = _login([b"key=", API_KEY.encode()], [])
+    assert status == 200 and got["body"] == b"key=" + API_KEY.encode()
+
+
+def test_a_sign_in_form_over_a_few_kib_is_a_413_read_no_further():
+    from agentkv.server.edge import LOGIN_MAX_BYTES
+
+    chunks = [b"k" * 65536 for _ in range(512)]                 # 32 MiB, chunked: no Content-Length
+    status, err, taken = _login(chunks, [])
+    assert status == 413 and err["code"] == "request_too_large" and str(LOGIN_MAX_BYTES) in err["message"]
+    assert taken <= 65536                                       # one chunk, not 32 MiB
+    status, err, taken = _login([b"k" * 10], [(b"content-length", str(32 * 2**20).encode())])
+    assert status == 413 and taken == 0                         # declared too large: nothing read
+
+
+@pytest.mark.parametrize("encoding", [b"gzip", b"deflate", b"zstd", b"br"])
+def test_a_compressed_sign_in_form_is_a_415_unread(encoding):
+    status, err, taken = _login([gzip.compress(b"key=" + b"0" * (8 << 20))], [(b"content-encoding", encoding)])
+    assert status == 415 and err["code"] == "unsupported_encoding" and taken == 0

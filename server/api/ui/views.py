@@ -11,7 +11,7 @@ from typing import Any
 from agentkv.compaction.log.session_log import SessionLog
 from agentkv.compaction.prompt import Message, content_text, message_key
 from agentkv.kernels.connector.params import FALLBACKS
-from agentkv.server.pipeline.sessions import BRANCH, ViewState, session_key
+from agentkv.server.pipeline.sessions import BRANCH, ViewState, branch_of, session_key
 
 TEXT_SHOWN = 4000   # characters of a message shown (the rest is counted)
 FRONT_FALLBACKS = {"connector_disabled": "the server runs without the KV connector"}
@@ -74,8 +74,12 @@ def session(log: SessionLog, owner: str, session_id: str) -> dict[str, Any] | No
                       "kv_mode": r.get("kv_mode"), "edits": [_edit(e) for e in r.get("applied_edits") or []],
                       "failed": [_edit(e) for e in r.get("failed_edits") or []], "summary": r.get("summary")})
     # the last turn's branch: its conversation, from the log by its messages' keys, and its view
-    branch = records[-1][0].split("@", 1)[0] if records else key
-    state = ViewState.load(log.get_state(branch))
+    branch = branch_of(records[-1][0]) if records else key
+    raw = log.get_state(branch)
+    old = branch.rsplit("@", 1)[0]   # a turn kept before identities were joined by "~": "<state key>@<drawn>"
+    if raw is None and old != branch and (old == key or old.startswith(key + BRANCH)):
+        raw = log.get_state(old)
+    state = ViewState.load(raw)
     by_key = {message_key(m): m for m in log.history(key)}
     conversation = [by_key[k] for k in state.keys if k in by_key]
     marks = dict.fromkeys(state.replaced, "cleared")

@@ -267,3 +267,45 @@ def test_a_branch_identity_is_never_reused_when_its_state_key_is(log_target):
     assert any(len(ids) > 1 for ids in seen.values())                       # ... so some were reused
     identities = [i for ids in seen.values() for i in ids]
     assert len(identities) == len(set(identities)) == MAX_BRANCHES + 6     # ... but never an identity
+
+
+def test_an_id_holding_at_signs_keeps_its_branch_identity_and_its_page(log_target):
+    """Ids may hold "@" (``SESSION_ID``); a branch's identity joined its state key and the identity
+    drawn for it with "@", and the sessions page split the turn's identity at the first "@": for
+    ``me@host`` it looked up the state of ``me`` (none, or another session's) and showed an empty
+    view. The separator is now "~", which no id, owner or state key holds."""
+    from agentkv.server.api.ui import views
+    from agentkv.server.pipeline.sessions import IDENT, SESSION_ID, branch_of
+
+    assert not SESSION_ID.fullmatch(IDENT) and not SESSION_ID.fullmatch(f"a{IDENT}b")
+    log = open_session_log(log_target)
+    sessions = Sessions(log)
+    ref = SessionRef("me@host:1@x", "x-session-id")
+    first = sessions.sync("o", ref, conv("hello", "fix the build"))
+    assert first.identity == first.branch == "o/me@host:1@x" == branch_of(first.identity)
+    other = conv("hello", "write the docs")
+    second = sessions.sync("o", ref, other)                                 # a branch of its own, an identity drawn
+    assert second.branch != first.branch and second.state.ident
+    assert second.identity == f"{second.branch}{IDENT}{second.state.ident}"
+    assert branch_of(second.identity) == second.branch
+    sessions.sync("o", SessionRef("me", "x-session-id"), conv("another", "session"))   # what "@" split to
+    log.add_turn(first.key, first.identity, {"api": "chat"})
+    log.add_turn(second.key, second.identity, {"api": "chat"})
+    page = views.session(log, "o", "me@host:1@x")
+    assert page is not None and page["branches"] == 2 and [t["branch"] for t in page["turns"]] == [1, 2]
+    assert [m["text"] for m in page["view"]] == [m["content"] for m in other]   # the last turn's branch
+
+
+def test_the_page_reads_turns_kept_with_the_old_at_sign_identity(log_target):
+    """Turns a server kept before the separator changed name their branch ``<state key>@<drawn>``."""
+    from agentkv.server.api.ui import views
+
+    log = open_session_log(log_target)
+    sessions = Sessions(log)
+    ref = SessionRef("me@host", "x-session-id")
+    sessions.sync("o", ref, conv("hello", "fix the build"))
+    other = conv("hello", "write the docs")
+    second = sessions.sync("o", ref, other)
+    log.add_turn(second.key, f"{second.branch}@{second.state.ident}", {"api": "chat"})
+    page = views.session(log, "o", "me@host")
+    assert page is not None and [m["text"] for m in page["view"]] == [m["content"] for m in other]
