@@ -75,11 +75,7 @@ def session(log: SessionLog, owner: str, session_id: str) -> dict[str, Any] | No
                       "failed": [_edit(e) for e in r.get("failed_edits") or []], "summary": r.get("summary")})
     # the last turn's branch: its conversation, from the log by its messages' keys, and its view
     branch = branch_of(records[-1][0]) if records else key
-    raw = log.get_state(branch)
-    old = branch.rsplit("@", 1)[0]   # a turn kept before identities were joined by "~": "<state key>@<drawn>"
-    if raw is None and old != branch and (old == key or old.startswith(key + BRANCH)):
-        raw = log.get_state(old)
-    state = ViewState.load(raw)
+    state = ViewState.load(log.get_state(branch))
     by_key = {message_key(m): m for m in log.history(key)}
     conversation = [by_key[k] for k in state.keys if k in by_key]
     marks = dict.fromkeys(state.replaced, "cleared")

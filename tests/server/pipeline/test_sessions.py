@@ -295,17 +295,3 @@ def test_an_id_holding_at_signs_keeps_its_branch_identity_and_its_page(log_targe
     assert page is not None and page["branches"] == 2 and [t["branch"] for t in page["turns"]] == [1, 2]
     assert [m["text"] for m in page["view"]] == [m["content"] for m in other]   # the last turn's branch
 
-
-def test_the_page_reads_turns_kept_with_the_old_at_sign_identity(log_target):
-    """Turns a server kept before the separator changed name their branch ``<state key>@<drawn>``."""
-    from agentkv.server.api.ui import views
-
-    log = open_session_log(log_target)
-    sessions = Sessions(log)
-    ref = SessionRef("me@host", "x-session-id")
-    sessions.sync("o", ref, conv("hello", "fix the build"))
-    other = conv("hello", "write the docs")
-    second = sessions.sync("o", ref, other)
-    log.add_turn(second.key, f"{second.branch}@{second.state.ident}", {"api": "chat"})
-    page = views.session(log, "o", "me@host")
-    assert page is not None and [m["text"] for m in page["view"]] == [m["content"] for m in other]
