@@ -118,6 +118,9 @@ CLIENTS = {c.name: c for c in (
 )}
 
 
+NO_KEY = "agentkv"   # what a client sends where none was given (a server without keys takes any)
+
+
 def served(url: str, key: str) -> Served:
     """What the server at ``url`` serves; ``LaunchError`` where it cannot be reached or refuses the key."""
     url = url.rstrip("/")
@@ -130,7 +133,9 @@ def served(url: str, key: str) -> Served:
         raise LaunchError(f"the agentkv server at {url} is not ready: {health.text[:300]}")
     r = httpx.get(f"{url}/v1/models", timeout=30, headers={"Authorization": f"Bearer {key}"})
     if r.status_code == 401:
-        raise LaunchError(f"the server at {url} wants one of its API keys: pass --api-key KEY or set AGENTKV_API_KEY")
+        raise LaunchError(f"the server at {url} refused the API key given (--api-key, or AGENTKV_API_KEY): pass one "
+                          "of its --api-key values" if key != NO_KEY else
+                          f"the server at {url} wants one of its API keys: pass --api-key KEY or set AGENTKV_API_KEY")
     if r.status_code != 200:
         raise LaunchError(f"the server at {url} answered /v1/models with {r.status_code}: {r.text[:300]}")
     model = r.json()["data"][0]
@@ -165,7 +170,7 @@ def launch(name: str, url: str, key: str | None, args: list[str], bin_path: str 
     """Start client ``name`` against the server at ``url``; its exit code. ``LaunchError`` where
     it is not started."""
     client = CLIENTS[name]
-    key = key or (os.environ.get("AGENTKV_API_KEY") or "").split(",")[0] or "agentkv"   # any string without keys
+    key = key or (os.environ.get("AGENTKV_API_KEY") or "").split(",")[0] or NO_KEY
     s = served(url, key)
     problem = why_not(client, s)
     if problem:

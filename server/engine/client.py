@@ -35,9 +35,24 @@ def decode_json(data: bytes) -> Any:
 
 def json_of(status: int, data: bytes) -> tuple[int, Any]:
     try:
-        return status, decode_json(data)
+        body = decode_json(data)
     except ValueError:
         return status, error_body(status, data.decode(errors="replace") or "engine returned no body")
+    return status, openai_error(status, body) if status >= 400 else body
+
+
+def openai_error(status: int, body: Any) -> Any:
+    """An engine's error in OpenAI's shape: vLLM names its exception's class as ``type`` and the
+    status as an integer ``code`` (``{"type": "NotFoundError", "code": 404}``); OpenAI's types are
+    ``invalid_request_error`` and the like, its codes strings (an unknown model: ``model_not_found``)."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(err, dict):
+        return body
+    param = err.get("param") if isinstance(err.get("param"), str) else None
+    code = err.get("code") if isinstance(err.get("code"), str) else None
+    if code is None and status == 404 and param == "model":
+        code = "model_not_found"
+    return error_body(status, str(err.get("message") or f"the engine answered {status}"), param, code)
 
 
 JSON = {"Content-Type": "application/json"}

@@ -92,3 +92,7 @@ def test_no_server_and_no_key_are_said_plainly(wide_server, home):
     run = subprocess.run([sys.executable, "-m", "agentkv.server.cli", "launch", "claude", "--url",
                           wide_server.base_url], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "wants one of its API keys" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "agentkv.server.cli", "launch", "claude", "--url",
+                          wide_server.base_url, "--api-key", "sk-not-one-of-its"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and "refused the API key given" in run.stderr

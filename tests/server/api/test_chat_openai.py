@@ -223,5 +223,9 @@ def test_api_key_required_everywhere_but_health(server):
 
 
 def test_unknown_model_is_a_clean_404(server):
-    with pytest.raises(openai.NotFoundError):
+    """In OpenAI's shape (vLLM's own names its exception class and an integer code)."""
+    with pytest.raises(openai.NotFoundError) as err:
         server.client().chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert err.value.body == {"message": err.value.body["message"], "type": "not_found_error",   # as every 404
+                              "param": "model", "code": "model_not_found"}
+    assert "`nope` does not exist" in err.value.body["message"]
