@@ -29,6 +29,19 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     503: "overloaded_error", 529: "overloaded_error"}
 
 
+
+
+def status_of(error: dict, default: int = 500) -> int:
+    """The HTTP status an OpenAI error body (its inner ``error``) stands for: an integer ``code``
+    (vLLM's in-stream errors), else its ``type`` (``_TYPES``), else ``default``."""
+    code = error.get("code")
+    if isinstance(code, int):
+        return code
+    if code == "engine_unavailable":
+        return 503
+    return next((st for st, kind in _TYPES.items() if kind == error.get("type") and st != 413), default)
+
+
 # how long a client should wait before trying again when the engine is down or being relaunched
 ENGINE_RETRY_AFTER_S = 10
 

@@ -57,3 +57,21 @@ def test_an_exception_mid_stream_ends_it_with_the_apis_error_event(client, route
     else:
         name, data = events[-1].split("\n")
         assert name == "event: error" and json.loads(data[6:])["type"] == "error"
+
+
+def test_engine_errors_take_openais_shape_and_keep_their_status():
+    """vLLM answers ``{"type": "NotFoundError", "code": 404}``; agentkv relays OpenAI's shape, and
+    an Anthropic stream's error event still gets the status the engine meant."""
+    from agentkv.server.api.messages.encode import error_event
+    from agentkv.server.engine.client import json_of
+    from agentkv.server.errors import status_of
+
+    vllm = (b'{"error": {"message": "The model `x` does not exist.", "type": "NotFoundError", '
+            b'"param": "model", "code": 404}}')
+    status, body = json_of(404, vllm)
+    assert (status, body) == (404, {"error": {"message": "The model `x` does not exist.", "type": "not_found_error",
+                                              "param": "model", "code": "model_not_found"}})
+    _, bad = json_of(400, b'{"error": {"message": "too long", "type": "BadRequestError", "param": null, "code": 400}}')
+    assert bad["error"]["type"] == "invalid_request_error" and status_of(bad["error"]) == 400
+    assert b'"invalid_request_error"' in error_event(bad)                  # not an api_error (500)
+    assert json_of(200, b'{"ok": 1}') == (200, {"ok": 1})

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agentkv.server.api.ids import new_id
 from agentkv.server.engine.client import encode_json
-from agentkv.server.errors import anthropic_error_body
+from agentkv.server.errors import anthropic_error_body, status_of
 from agentkv.server.metrics import observe_usage
 from agentkv.server.pipeline.context import Prepared
 from agentkv.server.pipeline.engine_call import Refusal
@@ -95,9 +95,7 @@ def error_event(error: dict) -> bytes:
     """``event: error`` for an OpenAI error body (the engine's, or agentkv's engine_unavailable)."""
     inner = error.get("error")
     err = inner if isinstance(inner, dict) else error
-    code = err.get("code")
-    status = code if isinstance(code, int) else 503 if code == "engine_unavailable" else 500
-    return sse("error", anthropic_error_body(status, str(err.get("message") or "the engine's stream failed")))
+    return sse("error", anthropic_error_body(status_of(err), str(err.get("message") or "the engine's stream failed")))
 
 
 class EventStream:
